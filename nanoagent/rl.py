@@ -1,0 +1,248 @@
+"""
+The RL math of nanoagent, as pure functions on tensors: no models, no torch.distributed.
+
+A trajectory is one row `prompt | act_1 | obs_1 | ... | act_n`; `mask` is 1 on the tokens the
+policy sampled (actions) and 0 on everything else (prompt, tool observations, chat glue, padding).
+Everything here respects that mask exactly:
+- masked_gae runs the GAE recursion over action tokens only: an observation neither gets an
+  advantage nor breaks the recursion (the last action token of turn k bootstraps from the value of
+  the first action token of turn k+1, with no discount across the observation);
+- grpo_advantages normalises scores within groups of rollouts of the same prompt;
+- ppo_policy_loss / clipped_value_loss return per-token losses, zero where mask = 0;
+- aggregate_loss turns per-token losses into this micro-batch's share of one global scalar, so the
+  gradient does not depend on how a batch is split into micro-batches and ranks.
+Shapes: B = rows (trajectories), T = tokens per row, V = vocabulary.
+"""
+
+import torch
+
+# exp() of a log-ratio beyond this is inf in fp32 for practical purposes; clamping keeps the
+# gradient of a clipped-away branch at 0 instead of 0 * inf = NaN.
+LOG_RATIO_CLAMP = 20.0
+
+
+# -----------------------------------------------------------------------------
+# masked reductions
+
+def masked_sum(x, mask, dim=None):
+    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
+
+
+def masked_mean(x, mask, dim=None):
+    """Mean of x over mask = 1 (the whole tensor, or along dim). An empty mask gives 0, not NaN."""
+    return masked_sum(x, mask, dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_var(x, mask, unbiased=True):
+    """Variance of x over mask = 1 (a scalar), with Bessel's correction by default."""
+    n = mask.sum()
+    mean = masked_sum(x, mask) / n.clamp(min=1)
+    sq = masked_sum((x - mean) ** 2, mask)
+    return sq / (n - 1).clamp(min=1) if unbiased else sq / n.clamp(min=1)
+
+
+def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
+    """(x - mean) / std over mask = 1; zero where mask = 0. shift_mean=False keeps the mean."""
+    mean = masked_mean(x, mask)
+    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask
+
+
+# -----------------------------------------------------------------------------
+# advantages
+
+@torch.no_grad()
+def masked_gae(rewards, values, mask, gamma, lam):
+    """
+    Generalised advantage estimation over action tokens only.
+    rewards, values, mask: [B, T] float. Returns (advantages, returns), both [B, T], zero where
+    mask = 0; returns = advantages + values on action tokens. No whitening here.
+    Rewards must sit on action tokens (a reward on a mask-0 token would be silently dropped).
+    """
+    assert rewards.shape == values.shape == mask.shape and rewards.dim() == 2, "expect [B, T] tensors"
+    mask = mask.to(values.dtype)
+    if torch.any((rewards != 0) & (mask == 0)):
+        raise ValueError("masked_gae: a non-zero reward sits on a mask-0 token; rewards belong on action tokens")
+    B, T = values.shape
+    advantages = torch.zeros_like(values)
+    next_value = values.new_zeros(B)  # value of the next action token in the row (0 after the last)
+    next_adv = values.new_zeros(B)    # advantage of the next action token in the row
+    for t in reversed(range(T)):
+        m = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        adv = delta + gamma * lam * next_adv
+        advantages[:, t] = adv * m
+        # mask-0 tokens pass the carry through untouched: no discount across observations
+        next_value = torch.where(m > 0, values[:, t], next_value)
+        next_adv = torch.where(m > 0, adv, next_adv)
+    returns = (advantages + values) * mask
+    return advantages, returns
+
+
+@torch.no_grad()
+def grpo_advantages(scores, group_ids, eps=1e-6, scale_by_std=True):
+    """
+    GRPO: a trajectory's advantage is (score - group mean) / (group std + eps), std unbiased.
+    scores: [B] float; group_ids: [B] (any integer labels, or a list of hashables). Returns [B].
+    A group of one has no baseline to compare with and gets advantage 0.
+    """
+    scores = scores.float()
+    if not torch.is_tensor(group_ids):
+        labels = {g: i for i, g in enumerate(dict.fromkeys(group_ids))}
+        group_ids = torch.tensor([labels[g] for g in group_ids], device=scores.device)
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    G = int(inverse.max()) + 1
+    count = torch.zeros(G, device=scores.device).index_add_(0, inverse, torch.ones_like(scores))
+    mean = torch.zeros(G, device=scores.device).index_add_(0, inverse, scores) / count
+    centred = scores - mean[inverse]
+    sq = torch.zeros(G, device=scores.device).index_add_(0, inverse, centred ** 2)
+    std = torch.sqrt(sq / (count - 1).clamp(min=1))
+    denom = std[inverse] + eps
+    # denom is 0 only when eps = 0 and the group's scores are all equal, and then centred is 0 too
+    advantages = centred / torch.where(denom > 0, denom, torch.ones_like(denom)) if scale_by_std else centred
+    return torch.where(count[inverse] > 1, advantages, torch.zeros_like(advantages))
+
+
+# -----------------------------------------------------------------------------
+# losses (per token, not reduced)
+
+def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, clip_dual=3.0):
+    """
+    Clipped PPO surrogate per token: max(-A*r, -A*clip(r, 1-clip_low, 1+clip_high)), and for A < 0
+    the dual clip min(that, -A*clip_dual) bounds the loss when r explodes. r = exp(logp - old_logp).
+    All [B, T]. Returns (per_token_loss zero where mask = 0, stats of detached scalars).
+    """
+    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
+    loss_dual = torch.minimum(loss_ppo, -advantages * clip_dual)
+    per_token_loss = torch.where(advantages < 0, loss_dual, loss_ppo) * mask
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask),
+            "dual_clipfrac": masked_mean(((advantages < 0) & (loss_ppo > -advantages * clip_dual)).float(), mask),
+            "approx_kl": masked_mean(kl_penalty(old_logprobs, logprobs, "k3"), mask),  # KL(old || new)
+        }
+    return per_token_loss, stats
+
+
+def clipped_value_loss(values, old_values, returns, mask, clip_range=0.2):
+    """
+    PPO value loss per token: 0.5 * max((v - R)^2, (old_v + clip(v - old_v, -c, c) - R)^2).
+    All [B, T]. Returns (per_token_loss zero where mask = 0, stats).
+    """
+    values_clipped = old_values + (values - old_values).clamp(-clip_range, clip_range)
+    loss_unclipped = (values - returns) ** 2
+    loss_clipped = (values_clipped - returns) ** 2
+    per_token_loss = 0.5 * torch.maximum(loss_unclipped, loss_clipped) * mask
+    with torch.no_grad():
+        stats = {"vf_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask)}
+    return per_token_loss, stats
+
+
+def kl_penalty(logprobs, ref_logprobs, estimator="k3"):
+    """
+    Per-token estimators of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL"):
+    k1 = log(pi/ref) (unbiased, high variance, can be negative), k2 = 0.5 * log(pi/ref)^2,
+    k3 = ref/pi - 1 - log(ref/pi) (unbiased, always >= 0); the log-ratio is clamped before exp.
+    """
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio ** 2
+    if estimator == "k3":
+        neg = (-log_ratio).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return torch.exp(neg) - 1.0 - neg
+    raise ValueError(f"unknown KL estimator {estimator!r}; valid: k1, k2, k3")
+
+
+def truncated_is_weights(trainer_logprobs, rollout_logprobs, mask, cap=2.0):
+    """
+    Truncated importance-sampling weights min(pi_trainer / pi_engine, cap) per token: the engine
+    (vLLM, other kernels, other precision) samples from a slightly different distribution than the
+    trainer computes; multiplying the per-token loss by these weights corrects for it (detached).
+    """
+    log_ratio = (trainer_logprobs - rollout_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return (torch.exp(log_ratio).clamp(max=cap) * mask).detach()
+
+
+# -----------------------------------------------------------------------------
+# logprobs and entropy from logits, without a full-vocabulary fp32 copy
+
+class _LogprobEntropy(torch.autograd.Function):
+    """
+    logprob of the label and entropy per row, from logits [N, V] in any dtype. Works on chunks of
+    rows in fp32 so the peak extra memory is chunk x V fp32, not N x V; the backward recomputes the
+    softmax per chunk instead of saving it.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, chunk_size):
+        N = logits.shape[0]
+        logprobs = logits.new_empty(N, dtype=torch.float32)
+        entropy = logits.new_empty(N, dtype=torch.float32)
+        lse = logits.new_empty(N, dtype=torch.float32)
+        for s in range(0, N, chunk_size):
+            z = logits[s:s + chunk_size].float()
+            lse_c = torch.logsumexp(z, dim=-1)
+            p = torch.exp(z - lse_c[:, None])
+            lse[s:s + chunk_size] = lse_c
+            logprobs[s:s + chunk_size] = z.gather(1, labels[s:s + chunk_size, None]).squeeze(1) - lse_c
+            entropy[s:s + chunk_size] = lse_c - (p * z).sum(-1)
+        ctx.save_for_backward(logits, labels, lse, entropy)
+        ctx.chunk_size = chunk_size
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, labels, lse, entropy = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        for s in range(0, logits.shape[0], ctx.chunk_size):
+            sl = slice(s, s + ctx.chunk_size)
+            z = logits[sl].float()
+            p = torch.exp(z - lse[sl, None])
+            # d logp(y)/dz = onehot(y) - p ;  dH/dz = -p * (z - E_p[z]) with E_p[z] = lse - H
+            g = -grad_logprobs[sl, None] * p
+            g.scatter_add_(1, labels[sl, None], grad_logprobs[sl, None])
+            g -= grad_entropy[sl, None] * p * (z - (lse[sl] - entropy[sl])[:, None])
+            grad_logits[sl] = g.to(logits.dtype)
+        return grad_logits, None, None
+
+
+def logprobs_and_entropy(logits, labels, chunk_size=1024):
+    """
+    Per-token logprob of `labels` and entropy of the distribution. logits: [..., V] (temperature
+    already applied), labels: [...] int. Returns two fp32 tensors of shape [...], differentiable.
+    """
+    shape = labels.shape
+    logprobs, entropy = _LogprobEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), chunk_size)
+    return logprobs.view(shape), entropy.view(shape)
+
+
+# -----------------------------------------------------------------------------
+# from per-token losses to one scalar
+
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean")
+
+
+def aggregate_loss(per_token_loss, mask, mode, global_tokens, global_seqs):
+    """
+    This micro-batch's share of the loss of the whole global batch; summing the shares over all
+    micro-batches and ranks gives the global loss, so the gradient does not depend on the split.
+    per_token_loss, mask: [B, T]. global_tokens / global_seqs: the number of action tokens /
+    of sequences with at least one action token in the global (mini-)batch, over all micro-batches
+    and ranks.
+      token_mean: sum of all action-token losses / global_tokens (every token weighs the same).
+      seq_mean:   mean over tokens within each sequence, then sum / global_seqs (every sequence
+                  weighs the same, whatever its length).
+    """
+    if mode == "token_mean":
+        return masked_sum(per_token_loss, mask) / global_tokens
+    if mode == "seq_mean":
+        return masked_mean(per_token_loss, mask, dim=-1).sum() / global_seqs
+    raise ValueError(f"unknown loss aggregation {mode!r}; valid: {', '.join(LOSS_AGGREGATIONS)}")

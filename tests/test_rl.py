@@ -1,0 +1,264 @@
+"""The RL math: hand-computed cases and the properties the formulation promises."""
+
+import math
+
+import pytest
+import torch
+
+from nanoagent import rl
+
+
+def textbook_gae(rewards, values, gamma, lam):
+    """GAE over a plain list of steps, the way it is written in the paper."""
+    T = len(rewards)
+    adv = [0.0] * T
+    last = 0.0
+    for t in reversed(range(T)):
+        next_value = values[t + 1] if t + 1 < T else 0.0
+        delta = rewards[t] + gamma * next_value - values[t]
+        last = delta + gamma * lam * last
+        adv[t] = last
+    return adv
+
+
+# ----------------------------------------------------------------------------- masked_gae
+
+def test_masked_gae_hand_computed():
+    # one row: act, obs, obs, act, act ; reward 1 on the last action token
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 9.0, 9.0, 0.25, 0.75]])
+    mask = torch.tensor([[1.0, 0.0, 0.0, 1.0, 1.0]])
+    gamma, lam = 0.9, 0.8
+    adv, ret = rl.masked_gae(rewards, values, mask, gamma, lam)
+    # by hand, action tokens only: v = [0.5, 0.25, 0.75], r = [0, 0, 1]
+    d2 = 1.0 + 0.0 - 0.75                  # 0.25
+    d1 = 0.0 + 0.9 * 0.75 - 0.25           # 0.425
+    d0 = 0.0 + 0.9 * 0.25 - 0.5            # -0.275
+    a2 = d2
+    a1 = d1 + 0.72 * a2
+    a0 = d0 + 0.72 * a1
+    expected = torch.tensor([[a0, 0.0, 0.0, a1, a2]])
+    torch.testing.assert_close(adv, expected)
+    torch.testing.assert_close(ret, (expected + values) * mask)
+    assert ret[0, 1] == 0 and ret[0, 2] == 0
+
+
+def test_masked_gae_all_ones_is_textbook():
+    g = torch.Generator().manual_seed(0)
+    B, T = 4, 13
+    rewards = torch.randn(B, T, generator=g)
+    values = torch.randn(B, T, generator=g)
+    adv, ret = rl.masked_gae(rewards, values, torch.ones(B, T), gamma=0.97, lam=0.9)
+    for b in range(B):
+        expected = torch.tensor(textbook_gae(rewards[b].tolist(), values[b].tolist(), 0.97, 0.9))
+        torch.testing.assert_close(adv[b], expected)
+    torch.testing.assert_close(ret, adv + values)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_masked_gae_observations_do_not_change_action_advantages(seed):
+    g = torch.Generator().manual_seed(seed)
+    T_act = 9
+    rewards = torch.randn(1, T_act, generator=g)
+    values = torch.randn(1, T_act, generator=g)
+    adv_ref, ret_ref = rl.masked_gae(rewards, values, torch.ones(1, T_act), 0.99, 0.95)
+    # insert observation tokens (mask 0, arbitrary values, zero reward) at random places, and padding
+    keep = []
+    for i in range(T_act):
+        n_obs = int(torch.randint(0, 4, (1,), generator=g))
+        keep += [None] * n_obs + [i]
+    keep += [None] * 3
+    T = len(keep)
+    r2, v2, m2 = torch.zeros(1, T), torch.randn(1, T, generator=g) * 100, torch.zeros(1, T)
+    for t, i in enumerate(keep):
+        if i is not None:
+            r2[0, t], v2[0, t], m2[0, t] = rewards[0, i], values[0, i], 1.0
+    adv, ret = rl.masked_gae(r2, v2, m2, 0.99, 0.95)
+    idx = [t for t, i in enumerate(keep) if i is not None]
+    torch.testing.assert_close(adv[0, idx], adv_ref[0])
+    torch.testing.assert_close(ret[0, idx], ret_ref[0])
+    assert torch.all(adv[m2 == 0] == 0) and torch.all(ret[m2 == 0] == 0)
+
+
+def test_masked_gae_rows_are_independent_and_empty_rows_are_zero():
+    rewards = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    values = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    adv, ret = rl.masked_gae(rewards, values, mask, 1.0, 1.0)
+    torch.testing.assert_close(adv[0], torch.tensor([1.0 - 0.1, 1.0 - 0.2, 0.0]))
+    assert torch.all(adv[1] == 0) and torch.all(ret[1] == 0)
+
+
+def test_masked_gae_refuses_reward_on_observation_token():
+    with pytest.raises(ValueError, match="mask-0"):
+        rl.masked_gae(torch.tensor([[0.0, 1.0]]), torch.zeros(1, 2), torch.tensor([[1.0, 0.0]]), 1.0, 1.0)
+
+
+# ----------------------------------------------------------------------------- grpo
+
+def test_grpo_hand_computed():
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.5])
+    groups = torch.tensor([7, 7, 7, 3, 3, 5])
+    adv = rl.grpo_advantages(scores, groups, eps=0.0)
+    m, s = 1 / 3, math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2)
+    expected = torch.tensor([(1 - m) / s, -m / s, -m / s, 0.0, 0.0, 0.0])  # equal scores -> 0; group of one -> 0
+    torch.testing.assert_close(adv, expected)
+    torch.testing.assert_close(rl.grpo_advantages(scores, groups, scale_by_std=False)[:3], torch.tensor([2 / 3, -1 / 3, -1 / 3]))
+
+
+def test_grpo_identical_scores_give_zero_and_list_labels_work():
+    adv = rl.grpo_advantages(torch.full((8,), 0.7), ["a"] * 4 + ["b"] * 4)
+    assert torch.all(adv == 0)
+    adv = rl.grpo_advantages(torch.tensor([0.0, 2.0, 5.0]), ["q1", "q1", "q2"])
+    torch.testing.assert_close(adv, torch.tensor([-1 / (math.sqrt(2) + 1e-6), 1 / (math.sqrt(2) + 1e-6), 0.0]))
+
+
+# ----------------------------------------------------------------------------- policy loss
+
+def test_ppo_policy_loss_hand_computed():
+    old = torch.zeros(1, 5)
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.1, 10.0, 1.0]]))
+    adv = torch.tensor([[1.0, -1.0, 2.0, -1.0, 3.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    loss, stats = rl.ppo_policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.3, clip_dual=3.0)
+    # r=1.5,A=1 -> max(-1.5,-1.3)=-1.3 ; r=0.5,A=-1 -> max(0.5,0.8)=0.8 ; r=1.1,A=2 -> -2.2 ;
+    # r=10,A=-1 -> max(10,1.3)=10, dual min(10,3)=3 ; masked -> 0
+    torch.testing.assert_close(loss, torch.tensor([[-1.3, 0.8, -2.2, 3.0, 0.0]]))
+    torch.testing.assert_close(stats["clipfrac"], torch.tensor(0.5))  # tokens 0 and 1
+    torch.testing.assert_close(stats["dual_clipfrac"], torch.tensor(0.25))
+
+
+def test_ppo_ratio_one_gradient_is_policy_gradient():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 6, 11, generator=g, requires_grad=True)
+    labels = torch.randint(0, 11, (3, 6), generator=g)
+    adv = torch.randn(3, 6, generator=g)
+    mask = (torch.rand(3, 6, generator=g) > 0.3).float()
+    logp = torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)
+    loss, _ = rl.ppo_policy_loss(logp, logp.detach(), adv, mask)
+    (grad,) = torch.autograd.grad(loss.sum(), logits, retain_graph=True)
+    (pg,) = torch.autograd.grad((-adv * logp * mask).sum(), logits)
+    torch.testing.assert_close(grad, pg)
+
+
+def test_ppo_loss_extreme_ratio_has_finite_gradient():
+    logp = torch.tensor([[80.0, -80.0]], requires_grad=True)
+    loss, _ = rl.ppo_policy_loss(logp, torch.zeros(1, 2), torch.tensor([[1.0, -1.0]]), torch.ones(1, 2))
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and torch.isfinite(logp.grad).all()
+
+
+# ----------------------------------------------------------------------------- value loss, KL, IS
+
+def test_clipped_value_loss_hand_computed():
+    values = torch.tensor([[1.0, 0.0, 0.5]])
+    old = torch.tensor([[0.0, 0.0, 0.0]])
+    returns = torch.tensor([[0.0, 1.0, 0.4]])
+    loss, stats = rl.clipped_value_loss(values, old, returns, torch.tensor([[1.0, 1.0, 0.0]]), clip_range=0.2)
+    # v=1 clipped to 0.2: max(1, 0.04)=1 ; v=0 unchanged: 1 ; masked 0
+    torch.testing.assert_close(loss, torch.tensor([[0.5, 0.5, 0.0]]))
+    torch.testing.assert_close(stats["vf_clipfrac"], torch.tensor(0.0))
+    loss, stats = rl.clipped_value_loss(torch.tensor([[1.0]]), torch.tensor([[0.0]]), torch.tensor([[2.0]]), torch.ones(1, 1), 0.2)
+    torch.testing.assert_close(loss, torch.tensor([[0.5 * 1.8 ** 2]]))  # clipped 0.2 is further from 2
+    assert stats["vf_clipfrac"] == 1.0
+
+
+def test_kl_estimators_hand_computed_and_stable():
+    lp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
+    torch.testing.assert_close(rl.kl_penalty(lp, ref, "k1"), torch.tensor([math.log(2.0)]))
+    torch.testing.assert_close(rl.kl_penalty(lp, ref, "k2"), torch.tensor([0.5 * math.log(2.0) ** 2]))
+    torch.testing.assert_close(rl.kl_penalty(lp, ref, "k3"), torch.tensor([0.5 - 1 + math.log(2.0)]))
+    # k3 is the exact KL in expectation: sample-average over pi of a 3-outcome distribution
+    pi, pref = torch.tensor([0.2, 0.5, 0.3]), torch.tensor([0.4, 0.4, 0.2])
+    exact = (pi * (pi / pref).log()).sum()
+    for est in ("k1", "k3"):
+        torch.testing.assert_close((pi * rl.kl_penalty(pi.log(), pref.log(), est)).sum(), exact)
+    huge = rl.kl_penalty(torch.tensor([-500.0]), torch.tensor([0.0]), "k3")
+    assert torch.isfinite(huge).all()
+    with pytest.raises(ValueError, match="k1, k2, k3"):
+        rl.kl_penalty(lp, ref, "k4")
+
+
+def test_truncated_is_weights():
+    w = rl.truncated_is_weights(torch.tensor([[0.0, 0.0, math.log(5.0)]]), torch.tensor([[0.0, math.log(2.0), 0.0]]),
+                                torch.tensor([[1.0, 1.0, 0.0]]), cap=2.0)
+    torch.testing.assert_close(w, torch.tensor([[1.0, 0.5, 0.0]]))
+    w = rl.truncated_is_weights(torch.tensor([[math.log(5.0)]]), torch.zeros(1, 1), torch.ones(1, 1), cap=2.0)
+    assert w.item() == 2.0 and not w.requires_grad
+
+
+def test_masked_mean_var_whiten():
+    x = torch.tensor([[1.0, 2.0, 100.0], [3.0, -50.0, 4.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 1.0]])
+    torch.testing.assert_close(rl.masked_mean(x, mask), torch.tensor(2.5))
+    torch.testing.assert_close(rl.masked_mean(x, mask, dim=-1), torch.tensor([1.5, 3.5]))
+    torch.testing.assert_close(rl.masked_var(x, mask), torch.tensor(5.0 / 3.0))
+    w = rl.masked_whiten(x, mask)
+    torch.testing.assert_close(rl.masked_mean(w, mask), torch.tensor(0.0))
+    torch.testing.assert_close(rl.masked_var(w, mask), torch.tensor(1.0), atol=1e-5, rtol=1e-5)
+    assert w[0, 2] == 0 and w[1, 1] == 0
+    assert rl.masked_mean(x, torch.zeros_like(mask)) == 0
+
+
+# ----------------------------------------------------------------------------- logprobs and entropy
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprobs_and_entropy_match_autograd_reference(dtype):
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(2, 7, 50, generator=g) * 3).to(dtype).requires_grad_(True)
+    labels = torch.randint(0, 50, (2, 7), generator=g)
+    w_lp, w_h = torch.randn(2, 7, generator=g), torch.randn(2, 7, generator=g)
+    lp, h = rl.logprobs_and_entropy(logits, labels, chunk_size=3)  # chunks that do not divide N
+    (grad,) = torch.autograd.grad((lp * w_lp + h * w_h).sum(), logits)
+
+    ref_logits = logits.detach().float().requires_grad_(True)
+    logp_all = torch.log_softmax(ref_logits, -1)
+    ref_lp = logp_all.gather(-1, labels[..., None]).squeeze(-1)
+    ref_h = -(logp_all.exp() * logp_all).sum(-1)
+    (ref_grad,) = torch.autograd.grad((ref_lp * w_lp + ref_h * w_h).sum(), ref_logits)
+    assert lp.dtype == torch.float32 and grad.dtype == dtype
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h, ref_h, atol=1e-5, rtol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(grad.float(), ref_grad, atol=tol, rtol=tol)
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+@pytest.mark.parametrize("mode", rl.LOSS_AGGREGATIONS)
+def test_gradient_independent_of_micro_batch_and_rank_split(mode):
+    """One batch of 8 rows aggregated as 1x8, 4x2, 8x1 micro-batches, or as 2 ranks x 2x2: same gradient."""
+    g = torch.Generator().manual_seed(3)
+    B, T, V = 8, 10, 17
+    weight = torch.randn(V, 16, generator=g)
+    hidden = torch.randn(B, T, 16, generator=g)
+    labels = torch.randint(0, V, (B, T), generator=g)
+    lengths = torch.tensor([10, 3, 7, 1, 0, 9, 5, 2])  # uneven rows; one without action tokens
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).float()
+    adv = torch.randn(B, T, generator=g)
+    old = torch.randn(B, T, generator=g) * 0.1 - 3
+    global_tokens, global_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
+
+    def grad_for(splits):
+        w = weight.clone().requires_grad_(True)
+        for rows in splits:
+            logp = torch.log_softmax(hidden[rows] @ w.T, -1).gather(-1, labels[rows, :, None]).squeeze(-1)
+            per_token, _ = rl.ppo_policy_loss(logp, old[rows], adv[rows], mask[rows])
+            rl.aggregate_loss(per_token, mask[rows], mode, global_tokens, global_seqs).backward()
+        return w.grad
+
+    full = grad_for([torch.arange(8)])
+    for micro in (2, 1):
+        torch.testing.assert_close(grad_for(list(torch.arange(8).split(micro))), full)
+    # two ranks, each with two micro-batches of 2; their gradients are summed by the all-reduce
+    rank_grads = [grad_for([torch.tensor([0, 5]), torch.tensor([2, 7])]), grad_for([torch.tensor([1, 3]), torch.tensor([4, 6])])]
+    torch.testing.assert_close(rank_grads[0] + rank_grads[1], full)
+
+
+def test_aggregation_modes_hand_computed():
+    loss = torch.tensor([[1.0, 3.0, 9.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    torch.testing.assert_close(rl.aggregate_loss(loss, mask, "token_mean", 3, 2), torch.tensor(8.0 / 3))
+    torch.testing.assert_close(rl.aggregate_loss(loss, mask, "seq_mean", 3, 2), torch.tensor((2.0 + 4.0) / 2))
+    with pytest.raises(ValueError, match="token_mean, seq_mean"):
+        rl.aggregate_loss(loss, mask, "sum", 3, 2)

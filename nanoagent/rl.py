@@ -177,8 +177,8 @@ def truncated_is_weights(trainer_logprobs, rollout_logprobs, mask, cap=2.0):
 class _LogprobEntropy(torch.autograd.Function):
     """
     logprob of the label and entropy per row, from logits [N, V] in any dtype. Works on chunks of
-    rows in fp32 so the peak extra memory is chunk x V fp32, not N x V; the backward recomputes the
-    softmax per chunk instead of saving it.
+    rows in fp32 with two chunk-sized temporaries, so the peak extra memory is ~2 x chunk x V fp32,
+    not several N x V; the backward recomputes the softmax per chunk instead of saving it.
     """
 
     @staticmethod
@@ -188,12 +188,12 @@ class _LogprobEntropy(torch.autograd.Function):
         entropy = logits.new_empty(N, dtype=torch.float32)
         lse = logits.new_empty(N, dtype=torch.float32)
         for s in range(0, N, chunk_size):
-            z = logits[s:s + chunk_size].float()
-            lse_c = torch.logsumexp(z, dim=-1)
-            p = torch.exp(z - lse_c[:, None])
-            lse[s:s + chunk_size] = lse_c
-            logprobs[s:s + chunk_size] = z.gather(1, labels[s:s + chunk_size, None]).squeeze(1) - lse_c
-            entropy[s:s + chunk_size] = lse_c - (p * z).sum(-1)
+            sl = slice(s, s + chunk_size)
+            z = logits[sl].float()
+            lse[sl] = torch.logsumexp(z, dim=-1)
+            logprobs[sl] = z.gather(1, labels[sl, None]).squeeze(1) - lse[sl]
+            p = (z - lse[sl, None]).exp_()
+            entropy[sl] = lse[sl] - (p.unsqueeze(1) @ z.unsqueeze(2)).view(-1)  # H = lse - E_p[z]
         ctx.save_for_backward(logits, labels, lse, entropy)
         ctx.chunk_size = chunk_size
         return logprobs, entropy
@@ -204,23 +204,25 @@ class _LogprobEntropy(torch.autograd.Function):
         grad_logits = torch.empty_like(logits)
         for s in range(0, logits.shape[0], ctx.chunk_size):
             sl = slice(s, s + ctx.chunk_size)
-            z = logits[sl].float()
-            p = torch.exp(z - lse[sl, None])
+            z = logits[sl].to(torch.float32, copy=True)  # modified in place below
+            p = (z - lse[sl, None]).exp_()
             # d logp(y)/dz = onehot(y) - p ;  dH/dz = -p * (z - E_p[z]) with E_p[z] = lse - H
-            g = -grad_logprobs[sl, None] * p
-            g.scatter_add_(1, labels[sl, None], grad_logprobs[sl, None])
-            g -= grad_entropy[sl, None] * p * (z - (lse[sl] - entropy[sl])[:, None])
-            grad_logits[sl] = g.to(logits.dtype)
+            z.sub_((lse[sl] - entropy[sl])[:, None]).mul_(p).mul_(-grad_entropy[sl, None])
+            p.mul_(-grad_logprobs[sl, None]).add_(z)
+            p.scatter_add_(1, labels[sl, None], grad_logprobs[sl, None])
+            grad_logits[sl] = p.to(logits.dtype)
         return grad_logits, None, None
 
 
-def logprobs_and_entropy(logits, labels, chunk_size=1024):
+def logprobs_and_entropy(logits, labels, chunk_size=None):
     """
     Per-token logprob of `labels` and entropy of the distribution. logits: [..., V] (temperature
     already applied), labels: [...] int. Returns two fp32 tensors of shape [...], differentiable.
+    chunk_size: rows per fp32 chunk; default ~64M elements (256 MiB fp32) per chunk.
     """
-    shape = labels.shape
-    logprobs, entropy = _LogprobEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), chunk_size)
+    shape, V = labels.shape, logits.shape[-1]
+    chunk_size = chunk_size or max(1, 2 ** 26 // V)
+    logprobs, entropy = _LogprobEntropy.apply(logits.reshape(-1, V), labels.reshape(-1), chunk_size)
     return logprobs.view(shape), entropy.view(shape)
 
 

@@ -208,8 +208,10 @@ def test_logprobs_and_entropy_match_autograd_reference(dtype):
     logits = (torch.randn(2, 7, 50, generator=g) * 3).to(dtype).requires_grad_(True)
     labels = torch.randint(0, 50, (2, 7), generator=g)
     w_lp, w_h = torch.randn(2, 7, generator=g), torch.randn(2, 7, generator=g)
+    before = logits.detach().clone()
     lp, h = rl.logprobs_and_entropy(logits, labels, chunk_size=3)  # chunks that do not divide N
     (grad,) = torch.autograd.grad((lp * w_lp + h * w_h).sum(), logits)
+    assert torch.equal(logits.detach(), before)  # the backward works on copies, never on the logits
 
     ref_logits = logits.detach().float().requires_grad_(True)
     logp_all = torch.log_softmax(ref_logits, -1)

@@ -1,0 +1,298 @@
+"""
+Configuration: one dataclass tree with typed defaults, presets by name, `key=value` overrides.
+
+    torchrun ... train.py --config=tiny algo=ppo rollout.max_turns=4 train.lr=1e-5
+
+The frequently used knobs live at the top level (model, algo, steps, run_dir, seed); the rest sit
+in groups. Every override is checked against the tree: an unknown key, a value of the wrong type or
+a choice that does not exist is refused with a message that names the key and what is valid.
+Presets are just lists of overrides, so they go through the same checks.
+"""
+
+import dataclasses
+import difflib
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+def opt(default, help):
+    """A config field: its default and one line of help (shown by --help and the README reference)."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class DataConfig:
+    task: Literal["synthetic", "hotpotqa"] = opt("hotpotqa", "task: decides the reward and the tools")
+    train_path: str = opt("data/hotpotqa/train.parquet", "training prompts (parquet from prepare_data.py)")
+    val_path: str = opt("data/hotpotqa/val.parquet", "held-out prompts for evaluation")
+    index_dir: str = opt("data/hotpotqa/index", "search index from build_index.py")
+    max_prompt_tokens: int = opt(1024, "prompts longer than this are refused when the data is loaded")
+    shuffle: bool = opt(True, "shuffle the training prompts every epoch (seeded)")
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["vllm", "hf"] = opt("vllm", "vllm: colocated vLLM engine; hf: the transformers fallback")
+    prompts_per_step: int = opt(64, "distinct prompts rolled out per training step (over all ranks)")
+    group_size: int = opt(5, "rollouts per prompt (GRPO groups; PPO may use 1)")
+    temperature: float = opt(1.0, "sampling temperature (the trainer's logprobs use the same)")
+    top_p: float = opt(1.0, "nucleus sampling")
+    max_turns: int = opt(4, "assistant turns per trajectory before it is cut")
+    max_new_tokens: int = opt(512, "tokens the model may sample in one turn")
+    max_context_tokens: int = opt(4096, "prompt + response budget of one trajectory")
+    max_obs_tokens: int = opt(512, "a tool result is truncated to this many tokens")
+    tool_timeout_s: float = opt(10.0, "time limit of one tool call")
+    search_top_k: int = opt(3, "passages returned by one search call")
+    dtype: Literal["bfloat16", "float16", "float32"] = opt("bfloat16", "engine weights and activations")
+    gpu_memory_utilization: float = opt(0.5, "share of GPU memory vLLM may take (weights + KV cache)")
+    tensor_parallel_size: int = opt(1, "vLLM tensor parallelism within a rank group")
+
+
+@dataclass
+class PPOConfig:
+    gamma: float = opt(1.0, "discount per action token")
+    lam: float = opt(1.0, "GAE lambda")
+    clip_low: float = opt(0.2, "ratio clip below 1")
+    clip_high: float = opt(0.2, "ratio clip above 1 (raise it for clip-higher)")
+    clip_dual: float = opt(3.0, "dual clip for negative advantages")
+    value_clip: float = opt(0.5, "clip range of the value loss around the old values")
+    epochs: int = opt(1, "passes over the rollout batch per step")
+    mini_batch_size: int = opt(64, "trajectories per optimizer step (over all ranks)")
+    critic_lr: float = opt(1e-5, "critic learning rate")
+    critic_warmup_steps: int = opt(0, "steps that train only the critic before the policy moves")
+    whiten_advantages: bool = opt(True, "normalise GAE advantages over the batch's action tokens")
+
+
+@dataclass
+class GRPOConfig:
+    scale_by_std: bool = opt(True, "divide by the group std (False: mean-centred only)")
+    eps: float = opt(1e-6, "added to the group std")
+
+
+@dataclass
+class TrainConfig:
+    lr: float = opt(1e-6, "policy learning rate")
+    weight_decay: float = opt(0.01, "AdamW weight decay")
+    warmup_steps: int = opt(0, "linear learning-rate warm-up, in optimizer steps")
+    grad_clip: float = opt(1.0, "max gradient norm")
+    micro_batch_tokens: int = opt(16384, "token budget of one forward/backward micro-batch per rank")
+    loss_agg: Literal["token_mean", "seq_mean"] = opt("token_mean", "how per-token losses become one scalar")
+    kl_mode: Literal["none", "reward", "loss"] = opt("none", "KL to the reference: none, k1 in the reward, or k3 as a loss")
+    kl_coef: float = opt(0.001, "KL coefficient")
+    entropy_coef: float = opt(0.0, "entropy bonus coefficient")
+    tis: bool = opt(False, "truncated importance sampling for engine-vs-trainer logprob mismatch")
+    tis_cap: float = opt(2.0, "cap of the importance weights")
+    dtype: Literal["bfloat16", "float32"] = opt("bfloat16", "parameter dtype for compute (fp32 reductions)")
+    activation_checkpointing: bool = opt(True, "recompute activations in the backward pass")
+    save_every: int = opt(50, "checkpoint every N steps (0: only at the end and on SIGTERM)")
+
+
+@dataclass
+class EvalConfig:
+    every: int = opt(10, "evaluate every N steps (0: never)")
+    num_prompts: int = opt(256, "held-out prompts per evaluation (greedy decoding)")
+
+
+@dataclass
+class LogConfig:
+    wandb: bool = opt(False, "also log to Weights & Biases (when installed)")
+    wandb_project: str = opt("nanoagent", "wandb project")
+
+
+@dataclass
+class Config:
+    model: str = opt("Qwen/Qwen2.5-3B-Instruct", "hub id or local path; 'tiny' builds the tiny test model")
+    algo: Literal["ppo", "grpo"] = opt("grpo", "ppo: critic + masked GAE; grpo: group-normalised scores")
+    steps: int = opt(200, "training steps (one rollout batch each)")
+    run_dir: str = opt("out/run", "checkpoints, metrics.jsonl, config.json, the HF export")
+    seed: int = opt(0, "seed of data order, sampling and initialisation")
+    resume: str = opt("auto", "auto: continue from the latest checkpoint in run_dir; never: start fresh")
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+PRESETS = {
+    # CPU, offline: the tiny random model on the synthetic world (tests, make demo)
+    "tiny": [
+        "model=tiny", "steps=20", "run_dir=out/tiny",
+        "data.task=synthetic", "data.train_path=data/synthetic/train.parquet",
+        "data.val_path=data/synthetic/val.parquet", "data.index_dir=data/synthetic/index",
+        "data.max_prompt_tokens=768",
+        "rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.max_turns=3",
+        "rollout.max_new_tokens=48", "rollout.max_context_tokens=1536", "rollout.max_obs_tokens=128",
+        "rollout.dtype=float32", "rollout.tool_timeout_s=5",
+        "ppo.mini_batch_size=16", "ppo.critic_lr=1e-4",
+        "train.lr=1e-4", "train.micro_batch_tokens=4096", "train.dtype=float32",
+        "train.activation_checkpointing=false", "train.save_every=0",
+        "eval.every=0", "eval.num_prompts=32",
+    ],
+    # one GPU node: Qwen2.5-3B-Instruct on HotpotQA with search over Wikipedia (make speedrun)
+    "hotpotqa": [
+        "model=Qwen/Qwen2.5-3B-Instruct", "algo=grpo", "steps=200", "run_dir=out/hotpotqa",
+        "data.task=hotpotqa", "rollout.prompts_per_step=128", "rollout.group_size=5",
+        "rollout.max_turns=4", "rollout.max_new_tokens=512", "rollout.max_context_tokens=6144",
+        "train.lr=1e-6", "eval.every=20", "eval.num_prompts=500",
+    ],
+}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _fields(cls):
+    hints = typing.get_type_hints(cls)
+    return {f.name: (hints[f.name], f) for f in dataclasses.fields(cls)}
+
+
+def _parse_value(key, text, typ):
+    """Turn the command-line text of one override into a value of the field's type, or refuse."""
+    if typing.get_origin(typ) is Literal:
+        choices = typing.get_args(typ)
+        if text not in choices:
+            raise ConfigError(f"{key}={text!r} is not a valid choice; valid: {', '.join(choices)}")
+        return text
+    if typ is bool:
+        lowered = text.lower()
+        if lowered in ("true", "1", "yes", "on"):
+            return True
+        if lowered in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{key}={text!r}: expected a bool (true/false)")
+    if typ in (int, float):
+        try:
+            return typ(text)
+        except ValueError:
+            raise ConfigError(f"{key}={text!r}: expected {typ.__name__}") from None
+    if typ is str:
+        return text
+    raise ConfigError(f"{key}: fields of type {typ} cannot be set from the command line")
+
+
+def all_keys(cls=Config, prefix=""):
+    """Every settable dotted key with (type, default, help), in declaration order."""
+    out = {}
+    for name, (typ, f) in _fields(cls).items():
+        if dataclasses.is_dataclass(typ):
+            out.update(all_keys(typ, prefix + name + "."))
+        else:
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            out[prefix + name] = (typ, default, f.metadata.get("help", ""))
+    return out
+
+
+def set_key(cfg, key, text):
+    """Apply one `dotted.key=value` override to cfg in place."""
+    *groups, leaf = key.split(".")
+    node = cfg
+    for g in groups:
+        sub = _fields(type(node)).get(g)
+        if sub is None or not dataclasses.is_dataclass(sub[0]):
+            raise ConfigError(_unknown(key))
+        node = getattr(node, g)
+    entry = _fields(type(node)).get(leaf)
+    if entry is None or dataclasses.is_dataclass(entry[0]):
+        raise ConfigError(_unknown(key))
+    setattr(node, leaf, _parse_value(key, text, entry[0]))
+
+
+def _unknown(key):
+    keys = list(all_keys())
+    close = difflib.get_close_matches(key, keys, n=3)
+    hint = f" Did you mean: {', '.join(close)}?" if close else ""
+    return f"unknown config key {key!r}.{hint} Valid keys: {', '.join(keys)}"
+
+
+def apply_overrides(cfg, overrides):
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"expected key=value, got {item!r}")
+        set_key(cfg, key.strip(), text.strip())
+    validate(cfg)
+    return cfg
+
+
+def make_config(preset=None, overrides=()):
+    """Defaults, then the preset's overrides, then the caller's (command line) overrides."""
+    cfg = Config()
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
+        apply_overrides(cfg, PRESETS[preset])
+    return apply_overrides(cfg, overrides)
+
+
+def validate(cfg):
+    """Checks that span fields or bound values; each names the key at fault."""
+    def need(ok, msg):
+        if not ok:
+            raise ConfigError(msg)
+    need(cfg.steps >= 0, f"steps={cfg.steps}: must be >= 0")
+    need(cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")
+    need(cfg.rollout.group_size >= 1, "rollout.group_size must be >= 1")
+    need(cfg.algo != "grpo" or cfg.rollout.group_size >= 2,
+         f"algo=grpo needs rollout.group_size >= 2 (got {cfg.rollout.group_size}): a group of one has no baseline")
+    need(cfg.rollout.temperature > 0, "rollout.temperature must be > 0 (greedy decoding is for evaluation)")
+    need(0 < cfg.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]")
+    need(cfg.rollout.max_turns >= 1, "rollout.max_turns must be >= 1")
+    need(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
+    need(cfg.rollout.max_context_tokens > cfg.data.max_prompt_tokens,
+         f"rollout.max_context_tokens ({cfg.rollout.max_context_tokens}) must exceed data.max_prompt_tokens ({cfg.data.max_prompt_tokens})")
+    need(0 < cfg.rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization must be in (0, 1]")
+    need(cfg.ppo.epochs >= 1, "ppo.epochs must be >= 1")
+    need(cfg.ppo.mini_batch_size >= 1, "ppo.mini_batch_size must be >= 1")
+    need(0 <= cfg.ppo.gamma <= 1 and 0 <= cfg.ppo.lam <= 1, "ppo.gamma and ppo.lam must be in [0, 1]")
+    need(cfg.ppo.clip_low >= 0 and cfg.ppo.clip_high >= 0, "ppo.clip_low and ppo.clip_high must be >= 0")
+    need(cfg.ppo.clip_dual > 1, "ppo.clip_dual must be > 1")
+    need(cfg.train.lr >= 0 and cfg.ppo.critic_lr >= 0, "train.lr and ppo.critic_lr must be >= 0")
+    need(cfg.train.micro_batch_tokens >= 1, "train.micro_batch_tokens must be >= 1")
+    need(cfg.train.grad_clip > 0, "train.grad_clip must be > 0")
+    need(cfg.train.tis_cap >= 1, "train.tis_cap must be >= 1")
+    need(cfg.resume in ("auto", "never"), f"resume={cfg.resume!r}: valid: auto, never")
+
+
+def to_dict(cfg):
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(d):
+    """Rebuild a Config from to_dict's output (e.g. a run's config.json), checking every key."""
+    overrides = [f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in _flatten(d).items()]
+    return apply_overrides(Config(), overrides)
+
+
+def _flatten(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, prefix + k + "."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def format_config(cfg):
+    return "\n".join(f"{k} = {v}" for k, v in _flatten(to_dict(cfg)).items())
+
+
+def save_config(cfg, path):
+    with open(path, "w") as f:
+        json.dump(to_dict(cfg), f, indent=2)
+
+
+def reference():
+    """The config reference as text: every key, its type, default and help (for --help)."""
+    lines = []
+    for key, (typ, default, help) in all_keys().items():
+        kind = "|".join(typing.get_args(typ)) if typing.get_origin(typ) is Literal else typ.__name__
+        lines.append(f"  {key:<34} {kind:<22} {default!s:<28} {help}")
+    presets = ", ".join(PRESETS)
+    return "config keys (key=value):\n" + "\n".join(lines) + f"\npresets (--config=NAME): {presets}"

@@ -1,35 +1,83 @@
 """
-Evaluate an agent: roll a model out over a dataset with its tools, write the trajectories as JSONL
-and print EM/F1, turns per trajectory, response tokens, finish reasons and tokens/s.
+Roll an agent out over a dataset with its tools: write the trajectories as JSONL and print
+mean reward, EM / substring EM / F1 where the data has answers, turns per trajectory, response
+tokens, finish reasons and tokens/s.
 
-    python rollout.py --model out/run/hf --data data/hotpotqa/val.parquet --out out/eval.jsonl
+    python rollout.py --model out/run/hf --data data/val.parquet --tools search --corpus data/corpus.jsonl --greedy
+    python rollout.py --model tiny --data prompts.jsonl --tools calculator --config tiny rollout.max_turns=2
 
-Status: the options below are final; the multi-turn rollout loop is not built yet (rollout issue),
-so the script says so and exits with status 3.
+Sampling and budgets come from the config (--config preset + key=value overrides), the same
+settings training uses: rollout.engine, rollout.temperature, rollout.max_turns, ...
 """
 
 import argparse
+import json
+import os
 import sys
+import time
 
 from nanoagent.config import ConfigError, make_config, reference
 
 
-def main(argv=None):
+def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, epilog=reference(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="exported checkpoint folder, hub id, or 'tiny'")
-    parser.add_argument("--data", required=True, help="prompts parquet from prepare_data.py")
+    parser.add_argument("--data", required=True, help="prompts: parquet from prepare_data.py, or JSONL with id, messages, answers")
     parser.add_argument("--out", default="out/rollouts.jsonl", help="trajectories, one JSON object per line")
+    parser.add_argument("--tools", default="search", help="comma-separated tools: search, calculator (empty: none)")
+    parser.add_argument("--corpus", default=None, help="search: JSONL corpus of {id, title, text}")
+    parser.add_argument("--encoder", default=None, help="search: sentence-transformers encoder (default: packaged MiniLM)")
     parser.add_argument("--limit", type=int, default=0, help="roll out only the first N prompts (0: all)")
+    parser.add_argument("--batch-size", type=int, default=64, help="prompts rolled out together")
     parser.add_argument("--greedy", action="store_true", help="greedy decoding (evaluation)")
-    parser.add_argument("--config", default=None, help="preset whose rollout/tool settings to use")
+    parser.add_argument("--config", default=None, help="preset whose rollout settings to use")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. rollout.max_turns=4")
     args = parser.parse_args(argv)
     try:
-        make_config(args.config, args.overrides + [f"model={args.model}"])
+        cfg = make_config(args.config, args.overrides + [f"model={args.model}"])
     except ConfigError as e:
         parser.error(str(e))
-    print("rollout.py: the multi-turn rollout loop is not built yet (see the rollout issue); nothing was run.", file=sys.stderr)
-    return 3
+    return args, cfg
+
+
+def main(argv=None):
+    args, cfg = parse_args(sys.argv[1:] if argv is None else argv)
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from nanoagent.agent import rollout_metrics, run_agent
+    from nanoagent.common import resolve_model
+    from nanoagent.data import load_prompts
+    from nanoagent.engine import SamplingConfig, make_engine
+    from nanoagent.reward import score_trajectory
+    from nanoagent.tools import ToolEnv, make_tools
+
+    samples = load_prompts(args.data, args.limit)
+    model_path = resolve_model(cfg.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.chat_template is None:
+        sys.exit(f"rollout.py: {model_path} has no chat template; nanoagent renders prompts and tool results with it")
+    tools = make_tools([t for t in args.tools.split(",") if t], args.corpus, args.encoder, cfg.rollout.search_top_k)
+    env = ToolEnv(tools, tokenizer, cfg.rollout.max_obs_tokens, cfg.rollout.tool_timeout_s)
+    engine = make_engine(cfg.rollout.engine, model_path, tokenizer, cfg.rollout.max_context_tokens, cfg.rollout.dtype,
+                         cfg.rollout.gpu_memory_utilization, cfg.rollout.tensor_parallel_size, cfg.seed)
+    sampling = SamplingConfig(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, args.greedy)
+
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    trajs, start = [], time.perf_counter()
+    with open(args.out, "w") as f, tqdm(total=len(samples), desc="rollout", unit="prompt") as bar:
+        for i in range(0, len(samples), args.batch_size):
+            batch = run_agent(engine, env, samples[i:i + args.batch_size], sampling, cfg.rollout.max_turns, cfg.rollout.max_context_tokens)
+            for t in batch:
+                score_trajectory(t)
+                f.write(json.dumps(t.to_json(tokenizer)) + "\n")
+            trajs += batch
+            bar.update(len(batch))
+            bar.set_postfix(reward=f"{sum(t.reward for t in trajs) / len(trajs):.3f}")
+    metrics = rollout_metrics(trajs, time.perf_counter() - start)
+    print(" | ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+    print(f"wrote {len(trajs)} trajectories to {args.out}")
+    return 0
 
 
 if __name__ == "__main__":

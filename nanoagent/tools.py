@@ -1,0 +1,284 @@
+"""
+Tools and the tool environment.
+
+A Tool is a name, a description, JSON-schema parameters and a function from arguments to text.
+The model calls tools Hermes-style, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
+the environment parses the call, checks the arguments against the schema, runs it under a time
+limit (a daemon thread per call, never a process-wide signal), truncates the result to a token
+budget, and renders it back with the tokenizer's chat template. Anything that goes wrong — bad
+JSON, an unknown tool, bad arguments, an exception, a time-out — becomes an error observation the
+model reads and can recover from; it never crashes the rollout.
+
+Observation tokens come from rendering only the new messages: the chat-template text that closes
+the assistant turn, the tool turn, and the header of the next assistant turn, i.e. the suffix the
+template adds after the assistant's content. The trajectory is then exactly what the template
+would render for the same conversation.
+"""
+
+import ast
+import json
+import math
+import operator
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import jsonschema
+
+TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+TRUNCATION_MARK = "\n[truncated]"
+
+
+@dataclass
+class Tool:
+    name: str
+    description: str
+    parameters: dict                                      # JSON schema of the arguments object
+    call: Callable[[dict], str]                           # arguments -> result text
+    call_batch: Callable[[list], list] | None = None      # all calls of a turn at once (e.g. batched search)
+
+    def schema(self):
+        """The tool as the chat template's `tools` list expects it (OpenAI function format)."""
+        return {"type": "function", "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+
+
+@dataclass
+class ToolCall:
+    name: str | None      # None when the call could not be parsed
+    arguments: dict | None
+    result: str = ""      # the text the model sees (an error message when error)
+    error: bool = False
+    seconds: float = 0.0
+
+
+def parse_tool_calls(text):
+    """
+    Every tool call in an action's text, in order. A call that is not a JSON object with a string
+    "name" and an object "arguments" comes back as a ToolCall with error=True and the reason.
+    An opening tag without a closing one (the turn ran out of tokens) is an error too.
+    """
+    calls = []
+    for body in TOOL_CALL_RE.findall(text):
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError as e:
+            calls.append(ToolCall(None, None, f"Error: malformed tool call, invalid JSON ({e}). "
+                                  'Write <tool_call>{"name": "...", "arguments": {...}}</tool_call>.', True))
+            continue
+        args = obj.get("arguments") if isinstance(obj, dict) else None
+        if isinstance(args, str):  # some models emit the arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                pass
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(args, dict):
+            calls.append(ToolCall(None, None, 'Error: malformed tool call, expected {"name": "<tool name>", "arguments": {...}}.', True))
+            continue
+        calls.append(ToolCall(obj["name"], args))
+    if text.count("<tool_call>") > len(calls):
+        calls.append(ToolCall(None, None, "Error: malformed tool call, <tool_call> was not closed with </tool_call>.", True))
+    return calls
+
+
+def _start(fn, arg):
+    """Start fn(arg) in a daemon thread; returns (thread, box) and box gets "result" or "error".
+    A call that never returns is abandoned at its time limit (a Python thread cannot be killed)
+    but blocks neither the rollout nor process exit."""
+    box = {}
+
+    def target():
+        try:
+            box["result"] = fn(arg)
+        except Exception as e:  # the tool's own failure becomes an observation
+            box["error"] = f"{type(e).__name__}: {e}"
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, box
+
+
+class ToolEnv:
+    def __init__(self, tools, tokenizer, max_obs_tokens=512, timeout_s=10.0):
+        self.tools = {t.name: t for t in tools}
+        self.tokenizer = tokenizer
+        self.max_obs_tokens = max_obs_tokens
+        self.timeout_s = timeout_s
+
+    def schemas(self):
+        return [t.schema() for t in self.tools.values()]
+
+    def run(self, calls):
+        """
+        Run all the tool calls of one turn (across all trajectories) in place: each ToolCall gets
+        its result text, error flag and duration. Calls to a tool with call_batch go to it as one
+        batch; the others run in parallel threads. Each gets the environment's time limit.
+        """
+        jobs = []  # (thread, box, calls served, batched, started)
+        by_tool = {}
+        for call in calls:
+            if call.error:
+                continue
+            tool = self.tools.get(call.name)
+            if tool is None:
+                call.result, call.error = f"Error: unknown tool {call.name!r}; available tools: {', '.join(self.tools)}.", True
+                continue
+            try:
+                jsonschema.validate(call.arguments, tool.parameters)
+            except jsonschema.ValidationError as e:
+                call.result, call.error = f"Error: bad arguments for {call.name}: {e.message}.", True
+                continue
+            by_tool.setdefault(tool.name, []).append(call)
+        for name, group in by_tool.items():
+            tool = self.tools[name]
+            if tool.call_batch is not None:
+                thread, box = _start(tool.call_batch, [c.arguments for c in group])
+                jobs.append((thread, box, group, True, time.perf_counter()))
+            else:
+                for c in group:
+                    thread, box = _start(tool.call, c.arguments)
+                    jobs.append((thread, box, [c], False, time.perf_counter()))
+        for thread, box, served, batched, started in jobs:
+            thread.join(max(0.0, started + self.timeout_s - time.perf_counter()))
+            seconds = time.perf_counter() - started
+            if thread.is_alive():
+                results, error = None, f"Error: tool {served[0].name} timed out after {self.timeout_s:g}s."
+            elif "error" in box:
+                results, error = None, f"Error: tool {served[0].name} failed: {box['error']}"
+            else:
+                results, error = box["result"] if batched else [box["result"]], None
+                if len(results) != len(served):
+                    results, error = None, f"Error: tool {served[0].name} returned {len(results)} results for {len(served)} calls."
+            for i, c in enumerate(served):
+                c.seconds = seconds
+                if error is not None:
+                    c.result, c.error = error, True
+                else:
+                    c.result = self.truncate(str(results[i]))
+        return calls
+
+    def truncate(self, text):
+        """Cut a tool result to max_obs_tokens tokens (the environment's own text, so re-encoding is fine)."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) <= self.max_obs_tokens:
+            return text
+        keep = max(0, self.max_obs_tokens - len(self.tokenizer.encode(TRUNCATION_MARK, add_special_tokens=False)))
+        return self.tokenizer.decode(ids[:keep]) + TRUNCATION_MARK
+
+    def render(self, messages, add_generation_prompt=False):
+        return self.tokenizer.apply_chat_template(messages, tools=self.schemas() or None, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def prompt_ids(self, messages):
+        return self.tokenizer.encode(self.render(messages, add_generation_prompt=True), add_special_tokens=False)
+
+    def observation_ids(self, messages, content, tool_results, ended_with_eos=False):
+        """
+        The ids the environment appends after an assistant turn whose text is `content` (the
+        decoded action, stop tag included, EOS excluded): the template's closing glue of that turn,
+        one tool message per result, and the next assistant header. `messages` is the conversation
+        before the assistant turn; returns (ids, new messages to append to the conversation).
+        When the model sampled EOS itself, that token is already the start of the closing glue.
+        """
+        before = self.render(messages, add_generation_prompt=True)
+        assistant = {"role": "assistant", "content": content}
+        with_turn = self.render(messages + [assistant])
+        if not with_turn.startswith(before + content):
+            raise ValueError("the chat template does not render assistant content verbatim after the generation "
+                             "prompt; token-in/token-out trajectories need a template that does")
+        new_messages = [assistant] + [{"role": "tool", "content": r} for r in tool_results]
+        after = self.render(messages + new_messages, add_generation_prompt=True)
+        if not after.startswith(with_turn):
+            raise ValueError("the chat template re-renders earlier turns when tool messages are added")
+        text = with_turn[len(before + content):] + after[len(with_turn):]
+        if ended_with_eos:
+            if not text.startswith(self.tokenizer.eos_token):
+                raise ValueError("the chat template does not close an assistant turn with the EOS token")
+            text = text[len(self.tokenizer.eos_token):]
+        return self.tokenizer.encode(text, add_special_tokens=False), new_messages
+
+
+# -----------------------------------------------------------------------------
+# built-in tools
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+
+
+def calculate(expression):
+    """Arithmetic on numbers with + - * / // % ** and parentheses, by walking Python's parse tree:
+    anything else (names, calls, attributes) is refused, so no code can run."""
+    if len(expression) > 200:
+        raise ValueError("expression longer than 200 characters")
+
+    def ev(node):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+            return _UNARY[type(node.op)](ev(node.operand))
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+            left, right = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Pow) and (abs(right) > 64 or abs(left) > 1e6):
+                raise ValueError("exponent too large")
+            return _BINARY[type(node.op)](left, right)
+        raise ValueError(f"unsupported expression element: {type(node).__name__}")
+
+    try:
+        value = ev(ast.parse(expression.strip(), mode="eval"))
+    except SyntaxError as e:
+        raise ValueError(f"not an arithmetic expression: {e.msg}") from None
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError("result is not finite")
+        return str(int(value)) if value.is_integer() and abs(value) < 1e15 else f"{value:.10g}"
+    return str(value)
+
+
+def calculator_tool():
+    return Tool(
+        name="calculator",
+        description="Evaluate an arithmetic expression with + - * / // % ** and parentheses.",
+        parameters={"type": "object", "properties": {"expression": {"type": "string", "description": "e.g. (3 + 4) * 12"}},
+                    "required": ["expression"], "additionalProperties": False},
+        call=lambda args: calculate(args["expression"]),
+    )
+
+
+def format_passages(passages):
+    """Compact search results: one line of title and text per passage."""
+    return "\n".join(f"Doc {i + 1} (Title: {p['title']}) {p['text']}" for i, p in enumerate(passages)) or "No results."
+
+
+def search_tool(retriever, top_k=3):
+    """`search` over a retriever (anything with search(queries, k) -> passages per query)."""
+    def call_batch(arguments):
+        return [format_passages(hits) for hits in retriever.search([a["query"] for a in arguments], top_k)]
+
+    return Tool(
+        name="search",
+        description="Search Wikipedia passages. Returns the most relevant passages with their titles.",
+        parameters={"type": "object", "properties": {"query": {"type": "string", "description": "the search query"}},
+                    "required": ["query"], "additionalProperties": False},
+        call=lambda args: call_batch([args])[0],
+        call_batch=call_batch,
+    )
+
+
+def make_tools(names, corpus_path=None, encoder=None, top_k=3):
+    """The tools a task uses, by name: "calculator", "search" (over a JSONL corpus of {id, title, text})."""
+    tools = []
+    for name in names:
+        if name == "calculator":
+            tools.append(calculator_tool())
+        elif name == "search":
+            if not corpus_path:
+                raise ValueError("the search tool needs a corpus (a JSONL file of {id, title, text})")
+            from nanoagent.retriever import InMemoryRetriever, load_corpus, load_encoder, packaged_minilm_path
+            tools.append(search_tool(InMemoryRetriever(load_corpus(corpus_path), load_encoder(encoder or packaged_minilm_path())), top_k))
+        else:
+            raise ValueError(f"unknown tool {name!r}; built-in tools: calculator, search")
+    return tools

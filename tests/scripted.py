@@ -28,7 +28,15 @@ SCRIPTS = {
     "Wait a long time.": [call("sleep", {"seconds": 30}), "<answer>late</answer>"],
     "Keep calculating.": [call("calculator", {"expression": "1+1"})] * 6,
     "Say hi.": ["<answer>hi</answer>"],
+    "Who founded Nanotown?": [call("search", {"query": "founder of Nanotown"}), "<answer>Ada Quill</answer>"],
 }
+
+CORPUS = [
+    {"id": "1", "title": "Nanotown", "text": "Nanotown is a river city founded by Ada Quill in 1802."},
+    {"id": "2", "title": "Ada Quill", "text": "Ada Quill was an engineer born in Lisbon."},
+    {"id": "3", "title": "Paris", "text": "Paris is the capital city of France."},
+    {"id": "4", "title": "Lisbon", "text": "Lisbon is the largest city of Portugal."},
+]
 
 
 def scripted_conversations(env):

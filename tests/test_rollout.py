@@ -1,0 +1,187 @@
+"""
+The multi-turn rollout with the real vLLM CPU engine and a tiny model that has memorised scripted
+tool-using conversations (tests/scripted.py), so every path runs through real sampling and tools.
+"""
+
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import scripted
+from nanoagent.agent import run_agent
+from nanoagent.engine import HFEngine, SamplingConfig, VLLMEngine, stop_token_ids
+from nanoagent.retriever import InMemoryRetriever, load_encoder, packaged_minilm_path
+from nanoagent.tools import Tool, ToolEnv, calculator_tool, search_tool
+
+pytestmark = pytest.mark.slow
+MAX_CONTEXT = 2048
+GREEDY = SamplingConfig(max_new_tokens=48, greedy=True)
+
+
+@pytest.fixture(scope="module")
+def env(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    slow = Tool("sleep", "Sleep for a while.", {"type": "object", "properties": {"seconds": {"type": "number"}}, "required": ["seconds"]},
+                lambda a: (time.sleep(a["seconds"]), "done")[1])
+    retriever = InMemoryRetriever(scripted.CORPUS, load_encoder(packaged_minilm_path(), device="cpu"))
+    return ToolEnv([calculator_tool(), slow, search_tool(retriever, top_k=1)], tok, max_obs_tokens=64, timeout_s=0.5)
+
+
+@pytest.fixture(scope="module")
+def scripted_dir(tiny_model_dir, env, tmp_path_factory):
+    path, loss = scripted.memorise(tiny_model_dir, str(tmp_path_factory.mktemp("scripted")), env, steps=150)
+    assert loss < 0.05, f"the tiny model did not memorise the scripts (loss {loss:.3f})"
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(scripted_dir, env):
+    return VLLMEngine(scripted_dir, stop_token_ids(env.tokenizer), MAX_CONTEXT, dtype="float32", seed=0)
+
+
+def samples():
+    return [{"id": q, "messages": scripted.user(q), "answers": []} for q in scripted.SCRIPTS]
+
+
+@pytest.fixture(scope="module")
+def greedy_trajs(engine, env):
+    return {t.sample["id"]: t for t in run_agent(engine, env, samples(), GREEDY, max_turns=4, max_context_tokens=MAX_CONTEXT)}
+
+
+def test_tool_errors_and_finish_reasons(greedy_trajs, engine, env):
+    t = greedy_trajs
+    assert [(c.name, c.result) for c in t["Compute 12*7."].tool_calls] == [("calculator", "84")]
+    assert t["Compute 12*7."].final_text == "<answer>84</answer>" and t["Compute 12*7."].finish_reason == "answer"
+    assert "invalid JSON" in t["Send broken json."].tool_calls[0].result
+    assert "unknown tool 'weather'" in t["Ask the weather."].tool_calls[0].result
+    assert "bad arguments for calculator" in t["Use wrong arguments."].tool_calls[0].result
+    assert "timed out" in t["Wait a long time."].tool_calls[0].result
+    assert t["Who founded Nanotown?"].tool_calls[0].result.startswith("Doc 1 (Title: Nanotown)")
+    for q in ["Send broken json.", "Ask the weather.", "Use wrong arguments.", "Wait a long time.", "Who founded Nanotown?"]:
+        assert t[q].finish_reason == "answer" and len(t[q].turn_spans) == 2, q  # the model read the error and went on
+    assert t["Keep calculating."].finish_reason == "max_turns" and len(t["Keep calculating."].turn_spans) == 4
+    assert t["Say hi."].finish_reason == "answer" and t["Say hi."].tool_calls == []
+    # the context budget ends a trajectory whose next observation would not fit
+    [short] = run_agent(engine, env, [samples()[5]], GREEDY, max_turns=6, max_context_tokens=len(t["Keep calculating."].prompt_ids) + 100)
+    assert short.finish_reason == "context_budget" and len(short) < len(short.prompt_ids) + 100
+    # a turn cut by max_new_tokens without a tool call
+    [cut] = run_agent(engine, env, [samples()[6]], SamplingConfig(max_new_tokens=3, greedy=True), max_turns=4, max_context_tokens=MAX_CONTEXT)
+    assert cut.finish_reason == "truncated" and len(cut.response_ids) == 3
+
+
+def check_token_exact(traj, env):
+    tok = env.tokenizer
+    n = len(traj.response_ids)
+    assert len(traj.action_mask) == len(traj.rollout_logprobs) == n
+    in_spans = [0] * n
+    for s, e in traj.turn_spans:
+        in_spans[s:e] = [1] * (e - s)
+    assert in_spans == traj.action_mask  # mask 1 exactly on the turns the engine generated
+    assert traj.prompt_ids == tok.encode(env.render(traj.sample["messages"], add_generation_prompt=True), add_special_tokens=False)
+    # every environment segment is the canonical tokenization of its template text
+    segments, start = [], None
+    for i, m in enumerate(traj.action_mask + [1]):
+        if m == 0 and start is None:
+            start = i
+        elif m == 1 and start is not None:
+            segments.append(traj.response_ids[start:i])
+            start = None
+    for seg in segments:
+        text = tok.decode(seg, skip_special_tokens=False)
+        assert seg == tok.encode(text, add_special_tokens=False)
+        assert text.startswith("<|im_end|>\n<|im_start|>user\n<tool_response>\n") or text.startswith("\n<|im_start|>user\n")
+        assert text.endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    # the whole row is what the chat template renders for the conversation
+    decoded = tok.decode(traj.prompt_ids + traj.response_ids, skip_special_tokens=False)
+    tail = "\n" if traj.response_ids[-1] == tok.eos_token_id else "<|im_end|>\n"
+    assert env.render(traj.messages) == decoded + tail
+
+
+def test_trajectories_are_token_exact(greedy_trajs, engine, env):
+    sampled = run_agent(engine, env, samples() * 2, SamplingConfig(max_new_tokens=48, temperature=1.0), max_turns=4, max_context_tokens=MAX_CONTEXT)
+    for traj in list(greedy_trajs.values()) + sampled:
+        check_token_exact(traj, env)
+    assert any(c.error for t in greedy_trajs.values() for c in t.tool_calls)  # including after tool errors
+
+
+def test_action_tokens_are_what_the_engine_samples(greedy_trajs, engine):
+    for traj in greedy_trajs.values():
+        for s, e in traj.turn_spans:
+            [replay] = engine.generate([traj.prompt_ids + traj.response_ids[:s]], GREEDY, [e - s])
+            assert replay.token_ids == traj.response_ids[s:e]
+
+
+def trainer_logprobs(model, traj, temperature):
+    ids = torch.tensor([traj.prompt_ids + traj.response_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(traj.prompt_ids) - 1:-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(traj.response_ids)[:, None]).squeeze(-1)
+
+
+def test_engine_logprobs_match_transformers(engine, env, scripted_dir):
+    model = AutoModelForCausalLM.from_pretrained(scripted_dir, dtype=torch.float32)
+    trajs = run_agent(engine, env, samples(), SamplingConfig(max_new_tokens=48, temperature=0.7), max_turns=3, max_context_tokens=MAX_CONTEXT)
+    for traj in trajs:
+        mask = torch.tensor(traj.action_mask, dtype=torch.bool)
+        engine_lp = torch.tensor(traj.rollout_logprobs)
+        assert torch.all(engine_lp[~mask] == 0)
+        diff = (engine_lp - trainer_logprobs(model, traj, 0.7))[mask].abs().max().item()
+        assert diff <= 1e-4, (traj.sample["id"], diff)
+
+
+def test_load_weights_switches_generation_and_logprobs(engine, env, tiny_model_dir, scripted_dir):
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    memorised = AutoModelForCausalLM.from_pretrained(scripted_dir, dtype=torch.float32)
+    prompt = env.prompt_ids(scripted.user("Compute 12*7."))
+    try:
+        engine.load_weights(base.state_dict().items())
+        [gen] = engine.generate([prompt], SamplingConfig(max_new_tokens=16, greedy=True))
+        expected = base.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=engine.stop_ids)[0, len(prompt):].tolist()
+        assert gen.token_ids == expected  # the random base model's greedy continuation, not the memorised call
+        with torch.no_grad():
+            logits = base(torch.tensor([prompt + gen.token_ids])).logits[0, len(prompt) - 1:-1]
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(gen.token_ids)[:, None]).squeeze(-1)
+        assert (torch.tensor(gen.logprobs) - ref).abs().max().item() <= 1e-4
+    finally:
+        engine.load_weights(memorised.state_dict().items())
+    [back] = engine.generate([prompt], GREEDY)
+    assert env.tokenizer.decode(back.token_ids).startswith("<tool_call>")
+
+
+def test_hf_fallback_engine_gives_the_same_trajectories(greedy_trajs, env, scripted_dir):
+    tok = env.tokenizer
+    hf = HFEngine(scripted_dir, stop_token_ids(tok), tok.pad_token_id, dtype="float32")
+    for traj in run_agent(hf, env, samples(), GREEDY, max_turns=4, max_context_tokens=MAX_CONTEXT):
+        ref = greedy_trajs[traj.sample["id"]]
+        assert traj.response_ids == ref.response_ids and traj.action_mask == ref.action_mask
+        assert traj.finish_reason == ref.finish_reason
+        mask = torch.tensor(traj.action_mask, dtype=torch.bool)
+        assert (torch.tensor(traj.rollout_logprobs) - torch.tensor(ref.rollout_logprobs))[mask].abs().max() <= 1e-4
+
+
+def test_rollout_cli_writes_trajectories_and_metrics(scripted_dir, tmp_path):
+    import json
+    import subprocess
+    import sys
+    data = tmp_path / "prompts.jsonl"
+    with open(data, "w") as f:
+        for q, answer in [("Compute 12*7.", "84"), ("Say hi.", "hi"), ("Who founded Nanotown?", "Ada Quill")]:
+            f.write(json.dumps({"id": q, "messages": scripted.user(q), "answers": [answer]}) + "\n")
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(p) + "\n" for p in scripted.CORPUS))
+    out = tmp_path / "rollouts.jsonl"
+    proc = subprocess.run([sys.executable, "rollout.py", "--model", scripted_dir, "--data", str(data), "--out", str(out),
+                           "--tools", "calculator,search", "--corpus", str(corpus), "--greedy", "--config", "tiny",
+                           "rollout.max_turns=3"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["Compute 12*7.", "Say hi.", "Who founded Nanotown?"]
+    for r in rows:
+        assert len(r["response_ids"]) == len(r["action_mask"]) == len(r["rollout_logprobs"])
+        assert r["finish_reason"] in ("answer", "truncated", "context_budget", "max_turns") and set(r["scores"]) == {"em", "substring_em", "f1"}
+    assert "em " in proc.stdout and "finish/answer" in proc.stdout and "action_tokens_per_s" in proc.stdout
+    bad = subprocess.run([sys.executable, "rollout.py", "--model", scripted_dir, "--data", str(tmp_path / "missing.parquet")],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "does not exist" in bad.stderr

@@ -1,0 +1,96 @@
+"""The tool environment without a model: parsing, validation, time limits, truncation, rendering."""
+
+import time
+
+import pytest
+from transformers import AutoTokenizer
+
+from nanoagent.retriever import InMemoryRetriever, load_encoder, packaged_minilm_path
+from nanoagent.tools import Tool, ToolCall, ToolEnv, calculate, calculator_tool, parse_tool_calls, search_tool
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def test_parse_tool_calls():
+    text = 'think <tool_call>\n{"name": "calculator", "arguments": {"expression": "1+2"}}\n</tool_call>'
+    [c] = parse_tool_calls(text)
+    assert (c.name, c.arguments, c.error) == ("calculator", {"expression": "1+2"}, False)
+    [c] = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')  # arguments as a JSON string
+    assert c.arguments == {"x": 1}
+    assert parse_tool_calls("no call here <answer>3</answer>") == []
+    for bad, why in [('<tool_call>{"name": "f", "arguments": {x}}</tool_call>', "invalid JSON"),
+                     ('<tool_call>["f"]</tool_call>', "expected {"),
+                     ('<tool_call>{"name": 3, "arguments": {}}</tool_call>', "expected {"),
+                     ('<tool_call>{"name": "f"}</tool_call>', "expected {"),
+                     ('<tool_call>{"name": "f", "arguments": {"x": 1', "not closed")]:
+        calls = parse_tool_calls(bad)
+        assert len(calls) == 1 and calls[0].error and why in calls[0].result, bad
+
+
+def test_calculator_is_arithmetic_only():
+    assert calculate("(3 + 4) * 12") == "84"
+    assert calculate("7 / 2") == "3.5" and calculate("2 ** 10") == "1024" and calculate("-3 // 2") == "-2"
+    for bad in ["__import__('os').system('true')", "x + 1", "open('f')", "2 ** 99999", "1 / 0", "(1,2)", "'a' * 3"]:
+        with pytest.raises((ValueError, ZeroDivisionError)):
+            calculate(bad)
+
+
+def test_env_errors_become_observations_and_slow_tools_time_out(tok):
+    def boom(args):
+        raise RuntimeError("disk on fire")
+
+    slow = Tool("slow", "Sleeps.", {"type": "object", "properties": {"s": {"type": "number"}}}, lambda a: (time.sleep(a["s"]), "woke")[1])
+    env = ToolEnv([calculator_tool(), slow, Tool("boom", "Fails.", {"type": "object"}, boom)], tok, max_obs_tokens=64, timeout_s=0.3)
+    calls = [ToolCall("calculator", {"expression": "6*7"}), ToolCall("nosuch", {}), ToolCall("calculator", {"expr": "1"}),
+             ToolCall("calculator", {"expression": "1/0"}), ToolCall("slow", {"s": 5}), ToolCall("slow", {"s": 0.01}), ToolCall("boom", {})]
+    start = time.perf_counter()
+    env.run(calls)
+    assert time.perf_counter() - start < 2.0  # the 5 s call was abandoned at its limit
+    assert [c.error for c in calls] == [False, True, True, True, True, False, True]
+    assert calls[0].result == "42" and calls[5].result == "woke"
+    assert "unknown tool 'nosuch'; available tools: calculator, slow, boom" in calls[1].result
+    assert "bad arguments for calculator" in calls[2].result and "'expression' is a required property" in calls[2].result
+    assert "ZeroDivisionError" in calls[3].result
+    assert "timed out after 0.3s" in calls[4].result
+    assert "RuntimeError: disk on fire" in calls[6].result
+
+
+def test_truncation_keeps_the_token_budget(tok):
+    env = ToolEnv([], tok, max_obs_tokens=20)
+    long = " ".join(["passage"] * 200)
+    cut = env.truncate(long)
+    assert cut.endswith("[truncated]") and len(tok.encode(cut, add_special_tokens=False)) <= 21
+    assert env.truncate("short") == "short"
+
+
+def test_batched_search_over_real_faiss_and_minilm(tok):
+    encoder = load_encoder(packaged_minilm_path(), device="cpu")
+    corpus = [{"title": "Nanotown", "text": "Nanotown is a river city founded by Ada Quill."},
+              {"title": "Paris", "text": "Paris is the capital of France."},
+              {"title": "Basalt", "text": "Basalt is a volcanic rock."}]
+    calls_seen = []
+    retriever = InMemoryRetriever(corpus, encoder)
+    tool = search_tool(retriever, top_k=1)
+    batch = tool.call_batch
+    tool.call_batch = lambda args: (calls_seen.append(len(args)), batch(args))[1]
+    env = ToolEnv([tool], tok, max_obs_tokens=128)
+    calls = [ToolCall("search", {"query": "who founded Nanotown"}), ToolCall("search", {"query": "capital of France"}),
+             ToolCall("search", {"query": 5})]
+    env.run(calls)
+    assert calls_seen == [2]  # the two valid queries went to the encoder as one batch
+    assert calls[0].result.startswith("Doc 1 (Title: Nanotown)") and calls[1].result.startswith("Doc 1 (Title: Paris)")
+    assert calls[2].error and "is not of type 'string'" in calls[2].result
+
+
+def test_observation_ids_are_the_template_suffix(tok):
+    env = ToolEnv([calculator_tool()], tok)
+    messages = [{"role": "user", "content": "What is 6*7?"}]
+    content = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
+    obs, new = env.observation_ids(messages, content, ["42"])
+    assert tok.decode(obs, skip_special_tokens=False) == "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert new == [{"role": "assistant", "content": content}, {"role": "tool", "content": "42"}]
+    obs_eos, _ = env.observation_ids(messages, "<tool_call>{bad</tool_call>", ["err"], ended_with_eos=True)
+    assert tok.decode(obs_eos, skip_special_tokens=False).startswith("\n<|im_start|>user")  # the sampled EOS already closed the turn

@@ -34,7 +34,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["vllm", "hf"] = opt("vllm", "vllm: colocated vLLM engine; hf: the transformers fallback")
+    engine: Literal["auto", "vllm", "hf"] = opt("auto", "vllm: colocated vLLM engine; hf: the transformers fallback; auto: vllm where installed")
     prompts_per_step: int = opt(64, "distinct prompts rolled out per training step (over all ranks)")
     group_size: int = opt(5, "rollouts per prompt (GRPO groups; PPO may use 1)")
     temperature: float = opt(1.0, "sampling temperature (the trainer's logprobs use the same)")

@@ -168,14 +168,17 @@ class HFEngine:
 
 def make_engine(kind, model_path, tokenizer, max_model_len, dtype="bfloat16", gpu_memory_utilization=0.5,
                 tensor_parallel_size=1, seed=0):
-    """The engine the config asks for; 'vllm' refuses clearly when vLLM is not installed."""
+    """The engine the config asks for. 'auto' is vLLM where it is installed, else the fallback;
+    'vllm' refuses clearly when vLLM is not installed."""
+    import importlib.util
     stop_ids = stop_token_ids(tokenizer)
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    if kind == "auto":
+        kind = "vllm" if has_vllm else "hf"
     if kind == "vllm":
-        try:
-            import vllm  # noqa: F401
-        except ImportError as e:
-            raise RuntimeError("rollout.engine=vllm but vLLM is not installed here; use rollout.engine=hf") from e
+        if not has_vllm:
+            raise RuntimeError("rollout.engine=vllm but vLLM is not installed here; use rollout.engine=hf")
         return VLLMEngine(model_path, stop_ids, max_model_len, dtype, gpu_memory_utilization, tensor_parallel_size, seed)
     if kind == "hf":
         return HFEngine(model_path, stop_ids, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id, dtype, seed=seed)
-    raise ValueError(f"unknown engine {kind!r}; valid: vllm, hf")
+    raise ValueError(f"unknown engine {kind!r}; valid: auto, vllm, hf")

@@ -1,10 +1,6 @@
-"""Process-level plumbing shared by the entry scripts: rank-aware printing, seeding, run folders."""
+"""Process-level plumbing shared by the entry scripts: rank-aware printing, model resolution."""
 
 import os
-import random
-
-import numpy as np
-import torch
 
 
 def rank():
@@ -15,12 +11,6 @@ def print0(*args, **kwargs):
     """print on rank 0 only, flushed (torchrun buffers the other ranks' output into noise)."""
     if rank() == 0:
         print(*args, **kwargs, flush=True)
-
-
-def seed_everything(seed):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def resolve_model(name):

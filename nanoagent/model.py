@@ -87,3 +87,28 @@ def critic_forward(critic, input_ids, attention_mask):
     """Per-token values of a micro-batch, [B, L] fp32, aligned like policy_forward (index 0 is 0)."""
     values = critic(input_ids, attention_mask)[:, :-1]                                  # [B, L-1]
     return torch.cat([values.new_zeros(values.shape[0], 1), values], 1)
+
+
+def decoder_layers(model):
+    """The list of transformer blocks of a Hugging Face causal LM or of a Critic."""
+    backbone = model.backbone if isinstance(model, Critic) else model.model
+    return backbone.layers
+
+
+def shard(model, bf16=False, activation_checkpointing=False):
+    """
+    FSDP2: shard each decoder layer and the root over the default process group (parameters,
+    gradients and, once the optimizer is built on the sharded parameters, optimizer state).
+    bf16: compute in bf16 with fp32 gradient reduction (GPU); otherwise everything in fp32.
+    FSDP averages the ranks' gradients; rl.aggregate_loss gives each rank its share of a global
+    mean, whose gradients must be summed: scale the loss by the world size before backward
+    (gloo has no pre-multiplied sum, so the divide factor of FSDP cannot be set to 1 on the CPU).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    if activation_checkpointing:
+        (model.backbone if isinstance(model, Critic) else model).gradient_checkpointing_enable()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model

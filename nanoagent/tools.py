@@ -51,6 +51,7 @@ class ToolCall:
     result: str = ""      # the text the model sees (an error message when error)
     error: bool = False
     seconds: float = 0.0
+    turn: int = 0         # the assistant turn it was made in (set by the agent loop)
 
 
 def parse_tool_calls(text):

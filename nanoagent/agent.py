@@ -60,10 +60,12 @@ class Trajectory:
         }
 
 
-def run_agent(engine, env, samples, sampling, max_turns, max_context_tokens):
+def run_agent(engine, env, samples, sampling, max_turns, max_context_tokens, seed=None):
     """
     Roll out one trajectory per sample (repeat samples for groups). env: a ToolEnv, which owns
-    the tokenizer and the chat template. Returns the trajectories in the order of samples.
+    the tokenizer and the chat template. seed: when given, trajectory i samples turn k with its own
+    seed derived from (seed, i, k), so a batch is reproducible whatever ran before it.
+    Returns the trajectories in the order of samples.
     """
     tokenizer = env.tokenizer
     eos = tokenizer.eos_token_id
@@ -74,11 +76,13 @@ def run_agent(engine, env, samples, sampling, max_turns, max_context_tokens):
             raise ValueError(f"prompt {s.get('id')!r} is {len(prompt_ids)} tokens, over the context budget of {max_context_tokens}")
         trajs.append(Trajectory(sample=s, prompt_ids=prompt_ids, messages=list(s["messages"])))
     live = list(trajs)
+    position = {id(t): i for i, t in enumerate(trajs)}
     for turn in range(max_turns):
         if not live:
             break
         budgets = [min(sampling.max_new_tokens, max_context_tokens - len(t)) for t in live]
-        gens = engine.generate([t.prompt_ids + t.response_ids for t in live], sampling, budgets)
+        seeds = None if seed is None else [(seed * 1_000_003 + position[id(t)] * 1009 + turn) % 2**31 for t in live]
+        gens = engine.generate([t.prompt_ids + t.response_ids for t in live], sampling, budgets, seeds)
         pending = []  # (trajectory, content, ended_with_eos, calls) whose calls run this turn
         for t, g, budget in zip(live, gens, budgets):
             start = len(t.response_ids)
@@ -141,3 +145,31 @@ def rollout_metrics(trajs, seconds=None):
         metrics["action_tokens_per_s"] = action_tokens / seconds
     return metrics
 
+
+
+def scripted_trajectory(env, sample, turns):
+    """
+    A trajectory whose actions are given texts (demonstrations for a warm start), assembled the
+    way run_agent assembles sampled ones: the action ids are the text's tokens (+ EOS when the turn
+    has no tool call), the tools run for real and the observations are the template's suffix.
+    """
+    tokenizer = env.tokenizer
+    t = Trajectory(sample=sample, prompt_ids=env.prompt_ids(sample["messages"]), messages=list(sample["messages"]))
+    for turn, content in enumerate(turns):
+        calls = parse_tool_calls(content)
+        ids = tokenizer.encode(content, add_special_tokens=False) + ([] if calls else [tokenizer.eos_token_id])
+        start = len(t.response_ids)
+        t.append(ids, 1, [0.0] * len(ids))
+        t.turn_spans.append((start, len(t.response_ids)))
+        if not calls:
+            t.messages.append({"role": "assistant", "content": content})
+            t.final_text, t.finish_reason = content, "answer"
+            break
+        env.run(calls)
+        for c in calls:
+            c.turn = turn
+        t.tool_calls += calls
+        obs_ids, new_messages = env.observation_ids(t.messages, content, [c.result for c in calls])
+        t.append(obs_ids, 0)
+        t.messages += new_messages
+    return t

@@ -24,12 +24,14 @@ def opt(default, help):
 
 @dataclass
 class DataConfig:
-    task: Literal["synthetic", "hotpotqa"] = opt("hotpotqa", "task: decides the reward and the tools")
+    task: Literal["arithmetic", "synthetic", "hotpotqa"] = opt("hotpotqa", "task: decides the prompts, tools and reward (arithmetic: generated, offline)")
     train_path: str = opt("data/hotpotqa/train.parquet", "training prompts (parquet from prepare_data.py)")
     val_path: str = opt("data/hotpotqa/val.parquet", "held-out prompts for evaluation")
     index_dir: str = opt("data/hotpotqa/index", "search index from build_index.py")
     max_prompt_tokens: int = opt(1024, "prompts longer than this are refused when the data is loaded")
     shuffle: bool = opt(True, "shuffle the training prompts every epoch (seeded)")
+    num_train: int = opt(2048, "arithmetic: generated training prompts")
+    num_val: int = opt(64, "arithmetic: generated held-out prompts")
 
 
 @dataclass
@@ -87,6 +89,10 @@ class TrainConfig:
     dtype: Literal["bfloat16", "float32"] = opt("bfloat16", "parameter dtype for compute (fp32 reductions)")
     activation_checkpointing: bool = opt(True, "recompute activations in the backward pass")
     save_every: int = opt(50, "checkpoint every N steps (0: only at the end and on SIGTERM)")
+    tool_call_reward: float = opt(0.0, "process reward on the last token of each turn whose tool calls all succeeded")
+    warm_start_steps: int = opt(0, "imitation steps on the task's scripted demonstrations before RL (0: none)")
+    warm_start_lr: float = opt(1e-3, "learning rate of the imitation warm start")
+    debug_nan_step: int = opt(-1, "testing: make the policy loss NaN at this step (-1: never)")
 
 
 @dataclass
@@ -122,15 +128,13 @@ PRESETS = {
     # CPU, offline: the tiny random model on the synthetic world (tests, make demo)
     "tiny": [
         "model=tiny", "steps=20", "run_dir=out/tiny",
-        "data.task=synthetic", "data.train_path=data/synthetic/train.parquet",
-        "data.val_path=data/synthetic/val.parquet", "data.index_dir=data/synthetic/index",
-        "data.max_prompt_tokens=768",
+        "data.task=arithmetic", "data.max_prompt_tokens=768", "data.num_val=32",
         "rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.max_turns=3",
         "rollout.max_new_tokens=48", "rollout.max_context_tokens=1536", "rollout.max_obs_tokens=128",
         "rollout.dtype=float32", "rollout.tool_timeout_s=5",
         "ppo.mini_batch_size=16", "ppo.critic_lr=1e-4",
         "train.lr=1e-4", "train.micro_batch_tokens=4096", "train.dtype=float32",
-        "train.activation_checkpointing=false", "train.save_every=0",
+        "train.activation_checkpointing=false", "train.save_every=0", "train.warm_start_steps=0",
         "eval.every=0", "eval.num_prompts=32",
     ],
     # one GPU node: Qwen2.5-3B-Instruct on HotpotQA with search over Wikipedia (make speedrun)
@@ -257,6 +261,9 @@ def validate(cfg):
     need(cfg.train.grad_clip > 0, "train.grad_clip must be > 0")
     need(cfg.train.tis_cap >= 1, "train.tis_cap must be >= 1")
     need(cfg.resume in ("auto", "never"), f"resume={cfg.resume!r}: valid: auto, never")
+    need((cfg.rollout.prompts_per_step * cfg.rollout.group_size) % cfg.ppo.mini_batch_size == 0,
+         f"rollout.prompts_per_step x rollout.group_size ({cfg.rollout.prompts_per_step * cfg.rollout.group_size}) "
+         f"must be a multiple of ppo.mini_batch_size ({cfg.ppo.mini_batch_size})")
 
 
 def to_dict(cfg):

@@ -6,6 +6,7 @@ Both parquet (what prepare_data.py writes) and JSONL are read.
 
 import json
 import os
+import random
 
 REQUIRED = ("id", "messages")
 
@@ -38,3 +39,37 @@ def write_prompts(rows, path):
     import pyarrow.parquet as pq
     table = pa.Table.from_pylist([{**r, "messages": json.dumps(r["messages"])} for r in rows])
     pq.write_table(table, path)
+
+
+# -----------------------------------------------------------------------------
+# arithmetic: an offline task whose answer needs a tool (the tiny preset, the learning test)
+
+ARITHMETIC_SYSTEM = "Use the calculator, then give the final answer as <answer>number</answer>."
+ARITHMETIC_PHRASINGS = ("What is {a} * {b}?", "Compute {a} times {b}.")
+
+
+def arithmetic_task(n, seed=0, split="train"):
+    """n prompts "multiply two 2-digit numbers": a tiny model cannot, so reward needs the
+    calculator and copying its result. Deterministic in (seed, split)."""
+    rng = random.Random(f"arithmetic-{seed}-{split}")
+    rows = []
+    for i in range(n):
+        a, b = rng.randint(11, 99), rng.randint(11, 99)
+        phrasing = i % len(ARITHMETIC_PHRASINGS)
+        question = ARITHMETIC_PHRASINGS[phrasing].format(a=a, b=b)
+        rows.append({"id": f"{split}-{i}", "answers": [str(a * b)], "a": a, "b": b, "phrasing": phrasing,
+                     "messages": [{"role": "system", "content": ARITHMETIC_SYSTEM}, {"role": "user", "content": question}]})
+    return rows
+
+
+def arithmetic_demonstration(row, rng):
+    """
+    Scripted assistant turns for a warm start by imitation, deliberately imperfect so RL has room:
+    on the first phrasing the demonstrator uses the calculator 90% of the time, on the second
+    only 30%; otherwise it guesses an answer (wrong) without a tool.
+    """
+    use_tool = rng.random() < (0.9 if row["phrasing"] == 0 else 0.3)
+    if not use_tool:
+        return [f"<answer>{row['a'] + row['b']}</answer>"]
+    call = json.dumps({"name": "calculator", "arguments": {"expression": f"{row['a']} * {row['b']}"}})
+    return [f"<tool_call>\n{call}\n</tool_call>", f"<answer>{row['a'] * row['b']}</answer>"]

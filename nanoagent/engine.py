@@ -69,15 +69,18 @@ class VLLMEngine:
         self.stop_ids = list(stop_ids)
         self.asleep = False
 
-    def generate(self, prompts, sampling, max_new_tokens=None):
-        """prompts: list of token-id lists. max_new_tokens: optional per-prompt budgets (list)."""
+    def generate(self, prompts, sampling, max_new_tokens=None, seeds=None):
+        """prompts: list of token-id lists. max_new_tokens: optional per-prompt budgets (list).
+        seeds: optional per-prompt sampling seeds, which make a sample independent of what the
+        engine generated before (exact resume)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         budgets = max_new_tokens or [sampling.max_new_tokens] * len(prompts)
+        seeds = seeds or [None] * len(prompts)
         params = [SamplingParams(
             max_tokens=n, temperature=0.0 if sampling.greedy else sampling.temperature,
-            top_p=1.0 if sampling.greedy else sampling.top_p, stop_token_ids=self.stop_ids,
-            logprobs=0, detokenize=False, skip_special_tokens=False) for n in budgets]
+            top_p=1.0 if sampling.greedy else sampling.top_p, stop_token_ids=self.stop_ids, seed=seed,
+            logprobs=0, detokenize=False, skip_special_tokens=False) for n, seed in zip(budgets, seeds)]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         gens = []
         for out in outputs:
@@ -119,7 +122,9 @@ class HFEngine:
         self.generator_seed = seed
 
     @torch.no_grad()
-    def generate(self, prompts, sampling, max_new_tokens=None):
+    def generate(self, prompts, sampling, max_new_tokens=None, seeds=None):
+        """As VLLMEngine.generate; transformers samples a batch from one generator, so the batch's
+        first seed seeds it."""
         from transformers import GenerationConfig
         budgets = max_new_tokens or [sampling.max_new_tokens] * len(prompts)
         width = max(len(p) for p in prompts)
@@ -132,8 +137,11 @@ class HFEngine:
             max_new_tokens=max(budgets), do_sample=not sampling.greedy, temperature=sampling.temperature if not sampling.greedy else None,
             top_p=sampling.top_p if not sampling.greedy else None, top_k=0 if not sampling.greedy else None,
             eos_token_id=self.stop_ids, pad_token_id=self.pad_id, return_dict_in_generate=True, output_logits=True)
-        torch.manual_seed(self.generator_seed)
-        self.generator_seed += 1
+        if seeds:
+            torch.manual_seed(seeds[0])
+        else:
+            torch.manual_seed(self.generator_seed)
+            self.generator_seed += 1
         out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), generation_config=gen_config)
         new_ids = out.sequences[:, width:].cpu()                               # [B, S]
         logits = torch.stack(out.logits, dim=1).float().cpu()                  # [B, S, V]

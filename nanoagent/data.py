@@ -54,7 +54,7 @@ def arithmetic_task(n, seed=0, split="train"):
     rng = random.Random(f"arithmetic-{seed}-{split}")
     rows = []
     for i in range(n):
-        a, b = rng.randint(11, 99), rng.randint(11, 99)
+        a, b = rng.randint(32, 99), rng.randint(32, 99)  # products have 4 digits
         phrasing = i % len(ARITHMETIC_PHRASINGS)
         question = ARITHMETIC_PHRASINGS[phrasing].format(a=a, b=b)
         rows.append({"id": f"{split}-{i}", "answers": [str(a * b)], "a": a, "b": b, "phrasing": phrasing,

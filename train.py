@@ -5,6 +5,7 @@ colocated rollout engine in every rank that gets the new weights after every upd
 
     torchrun --nproc_per_node=8 train.py --config=hotpotqa algo=grpo model=Qwen/Qwen2.5-3B-Instruct
     torchrun --nproc_per_node=2 train.py --config=tiny algo=ppo steps=2 run_dir=out/tiny   # CPU
+    python train.py --config=tiny train.warm_start_steps=800 train.warm_start_lr=3e-3      # one process
 
 One step, top to bottom:
   1. rollout: every rank rolls out its share of the prompts (G times each), multi-turn with tools;
@@ -248,8 +249,10 @@ def imitate(policy, env, rows, demonstrate, cfg, rank, world, device):
 
 def full_tensors(model):
     """(name, full tensor) for every parameter, all-gathered one at a time: every rank's engine
-    gets the whole model without any rank holding a second full copy at once."""
-    for name, param in model.named_parameters():
+    gets the whole model without any rank holding a second full copy at once. Tied parameters
+    are sent under each of their names: vLLM's CPU backend keeps a repacked copy of the LM head
+    that is not updated through the embedding."""
+    for name, param in model.named_parameters(remove_duplicate=False):
         yield name, param.full_tensor() if hasattr(param, "full_tensor") else param.data
 
 

@@ -116,14 +116,37 @@ def all_reduce_sum(values, device):
     return t.tolist()
 
 
+def synced_micro_batches(lengths, token_budget, device):
+    """
+    micro_batches(), with the same count on every rank: each FSDP forward and backward is a
+    collective, so a rank with fewer micro-batches would leave the others waiting forever. Short
+    ranks split their largest micro-batches, then add empty ones ([]), which callers run as a
+    zero-weight pass over one row.
+    """
+    from nanoagent.model import micro_batches
+    batches = micro_batches(lengths, token_budget)
+    count = torch.tensor([len(batches)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    while len(batches) < count.item():
+        largest = max(range(len(batches)), key=lambda b: len(batches[b]))
+        if len(batches[largest]) > 1:
+            half = len(batches[largest]) // 2
+            batches[largest:largest + 1] = [batches[largest][:half], batches[largest][half:]]
+        else:
+            batches.append([])
+    return batches
+
+
 @torch.no_grad()
 def forward_all(model_fn, batch, micro_batch_tokens, device):
     """Run a forward function (ids, attention -> [b, l] per-token tensor or tuple) over all rows
     in micro-batches; returns [B, L] tensors on the CPU."""
-    from nanoagent.model import micro_batches
     B, L = batch["input_ids"].shape
     out = None
-    for idx in micro_batches(batch["lengths"], micro_batch_tokens):
+    for idx in synced_micro_batches(batch["lengths"], micro_batch_tokens, device):
+        if not idx:  # keep in step with the other ranks' collectives; the result is not used
+            model_fn(batch["input_ids"][:1, :1].to(device), batch["attention_mask"][:1, :1].to(device))
+            continue
         width = max(batch["lengths"][i] for i in idx)
         ids = batch["input_ids"][idx, :width].to(device)
         attn = batch["attention_mask"][idx, :width].to(device)
@@ -156,17 +179,17 @@ def optimizer_step(model, optimizer, scheduler, loss_sum, grad_clip, device, for
 
 def update_policy(policy, optimizer, scheduler, batch, rows, cfg, world, device, force_nan=False):
     """One optimizer step of the policy on a mini-batch (row indices of this rank)."""
-    from nanoagent.model import micro_batches, policy_forward
+    from nanoagent.model import policy_forward
     mask_all = batch["action_mask"][rows]
     global_tokens, global_seqs = all_reduce_sum([mask_all.sum().item(), (mask_all.sum(-1) > 0).sum().item()], device)
     stats = {"clipfrac": 0.0, "approx_kl": 0.0, "entropy": 0.0, "kl_loss": 0.0}
     loss_sum = 0.0
     lengths = [batch["lengths"][i] for i in rows]
-    for micro in micro_batches(lengths, cfg.train.micro_batch_tokens):
-        idx = [rows[i] for i in micro]
+    for micro in synced_micro_batches(lengths, cfg.train.micro_batch_tokens, device):
+        idx = [rows[i] for i in micro] or rows[:1]  # an empty micro-batch runs one row with weight 0
         width = max(batch["lengths"][i] for i in idx)
         get = lambda key: batch[key][idx, :width].to(device)  # noqa: E731
-        mask = get("action_mask")
+        mask = get("action_mask") * (1.0 if micro else 0.0)
         logprobs, entropy = policy_forward(policy, get("input_ids"), get("attention_mask"), cfg.rollout.temperature)
         per_token, pg_stats = rl.ppo_policy_loss(logprobs, get("old_logprobs"), get("advantages"), mask,
                                                  cfg.ppo.clip_low, cfg.ppo.clip_high, cfg.ppo.clip_dual)
@@ -194,16 +217,16 @@ def update_policy(policy, optimizer, scheduler, batch, rows, cfg, world, device,
 
 def update_critic(critic, optimizer, scheduler, batch, rows, cfg, world, device):
     """One optimizer step of the critic on a mini-batch: clipped value loss, global token mean."""
-    from nanoagent.model import critic_forward, micro_batches
+    from nanoagent.model import critic_forward
     mask_all = batch["action_mask"][rows]
     global_tokens, global_seqs = all_reduce_sum([mask_all.sum().item(), (mask_all.sum(-1) > 0).sum().item()], device)
     loss_sum, clipfrac = 0.0, 0.0
     lengths = [batch["lengths"][i] for i in rows]
-    for micro in micro_batches(lengths, cfg.train.micro_batch_tokens):
-        idx = [rows[i] for i in micro]
+    for micro in synced_micro_batches(lengths, cfg.train.micro_batch_tokens, device):
+        idx = [rows[i] for i in micro] or rows[:1]  # an empty micro-batch runs one row with weight 0
         width = max(batch["lengths"][i] for i in idx)
         get = lambda key: batch[key][idx, :width].to(device)  # noqa: E731
-        mask = get("action_mask")
+        mask = get("action_mask") * (1.0 if micro else 0.0)
         values = critic_forward(critic, get("input_ids"), get("attention_mask"))
         per_token, vf_stats = rl.clipped_value_loss(values, get("values"), get("returns"), mask, cfg.ppo.value_clip)
         loss = rl.aggregate_loss(per_token, mask, cfg.train.loss_agg, global_tokens, global_seqs)
@@ -222,7 +245,7 @@ def imitate(policy, env, rows, demonstrate, cfg, rank, world, device):
     action tokens (mask = 1), a global token mean. Its own AdamW, so RL's optimizer starts fresh.
     """
     from nanoagent.agent import scripted_trajectory
-    from nanoagent.model import micro_batches, policy_forward
+    from nanoagent.model import policy_forward
     rng = random.Random(f"{cfg.seed}-demos-{rank}")
     demos = [scripted_trajectory(env, row, demonstrate(row, rng)) for row in rows[rank::world]]
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.train.warm_start_lr, weight_decay=0.0)
@@ -231,9 +254,10 @@ def imitate(policy, env, rows, demonstrate, cfg, rank, world, device):
         batch = collate([demos[rng.randrange(len(demos))] for _ in range(per_rank)], env.tokenizer.pad_token_id)
         [global_tokens] = all_reduce_sum([batch["action_mask"].sum().item()], device)
         loss_sum = 0.0
-        for idx in micro_batches(batch["lengths"], cfg.train.micro_batch_tokens):
+        for micro in synced_micro_batches(batch["lengths"], cfg.train.micro_batch_tokens, device):
+            idx = micro or [0]  # an empty micro-batch runs one row with weight 0
             width = max(batch["lengths"][i] for i in idx)
-            mask = batch["action_mask"][idx, :width].to(device)
+            mask = batch["action_mask"][idx, :width].to(device) * (1.0 if micro else 0.0)
             logprobs, _ = policy_forward(policy, batch["input_ids"][idx, :width].to(device), batch["attention_mask"][idx, :width].to(device))
             loss = rl.aggregate_loss(-logprobs, mask, "token_mean", global_tokens, None)
             (loss * world).backward()

@@ -15,6 +15,7 @@ Training speed (prints figures; asserts nothing).
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -27,10 +28,14 @@ sys.path.insert(0, ROOT)
 
 def end_to_end(steps, algo, nproc):
     run_dir = tempfile.mkdtemp()
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=29533",
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
            os.path.join(ROOT, "train.py"), "--config=tiny", f"algo={algo}", f"steps={steps}", f"run_dir={run_dir}",
            "train.warm_start_steps=30", "train.tool_call_reward=0.1"]
-    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": str(max(1, os.cpu_count() // nproc))})
+    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT, timeout=900,
+                   env={**os.environ, "OMP_NUM_THREADS": str(max(1, os.cpu_count() // nproc))})
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if '"time/step"' in line][1:]
     med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
     total = med("time/step")

@@ -36,7 +36,9 @@ def train(run_dir, *overrides, nproc=2, env_cache=None):
 
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
 def test_two_steps_push_export(algo, tmp_path):
-    out, metrics = train(tmp_path / "run", f"algo={algo}", "steps=2", "train.kl_mode=loss" if algo == "grpo" else "train.kl_mode=reward")
+    # a small token budget gives the ranks different numbers of micro-batches, which they must keep in step
+    out, metrics = train(tmp_path / "run", f"algo={algo}", "steps=2", "train.micro_batch_tokens=600",
+                         "train.kl_mode=loss" if algo == "grpo" else "train.kl_mode=reward")
     steps = [m for m in metrics if m["step"] >= 1]
     assert [m["step"] for m in steps] == [1, 2] and all("reward" in m for m in steps)
     for m in steps:

@@ -13,7 +13,7 @@ def test_defaults_presets_and_overrides():
     cfg = make_config()
     assert isinstance(cfg, Config) and cfg.algo == "grpo"
     tiny = make_config("tiny", ["algo=ppo", "rollout.max_turns=4", "train.lr=3e-5", "ppo.whiten_advantages=false"])
-    assert tiny.model == "tiny" and tiny.data.task == "synthetic"
+    assert tiny.model == "tiny" and tiny.data.task == "arithmetic"
     assert tiny.algo == "ppo" and tiny.rollout.max_turns == 4 and tiny.train.lr == 3e-5
     assert tiny.ppo.whiten_advantages is False and isinstance(tiny.rollout.max_turns, int)
     for name in PRESETS:

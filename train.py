@@ -137,6 +137,30 @@ def synced_micro_batches(lengths, token_budget, device):
     return batches
 
 
+def global_counts(batch, rows, device):
+    """Action tokens and sequences with action tokens in a mini-batch, over all ranks: the
+    denominators that make every micro-batch's loss its share of one global mean."""
+    mask = batch["action_mask"][rows]
+    return all_reduce_sum([mask.sum().item(), (mask.sum(-1) > 0).sum().item()], device)
+
+
+def micro_steps(batch, rows, token_budget, device):
+    """
+    The micro-batches of a mini-batch (this rank's row indices), kept in step across ranks.
+    Yields (get, mask): get(key) gives that tensor of the micro-batch on the device, cut to its
+    longest row; an empty micro-batch comes as one row with mask 0, so its loss is 0 but its
+    collectives still run.
+    """
+    lengths = [batch["lengths"][i] for i in rows]
+    for micro in synced_micro_batches(lengths, token_budget, device):
+        idx = [rows[i] for i in micro] or rows[:1]
+        width = max(batch["lengths"][i] for i in idx)
+
+        def get(key, idx=idx, width=width):
+            return batch[key][idx, :width].to(device)
+        yield get, get("action_mask") * (1.0 if micro else 0.0)
+
+
 @torch.no_grad()
 def forward_all(model_fn, batch, micro_batch_tokens, device):
     """Run a forward function (ids, attention -> [b, l] per-token tensor or tuple) over all rows
@@ -180,16 +204,10 @@ def optimizer_step(model, optimizer, scheduler, loss_sum, grad_clip, device, for
 def update_policy(policy, optimizer, scheduler, batch, rows, cfg, world, device, force_nan=False):
     """One optimizer step of the policy on a mini-batch (row indices of this rank)."""
     from nanoagent.model import policy_forward
-    mask_all = batch["action_mask"][rows]
-    global_tokens, global_seqs = all_reduce_sum([mask_all.sum().item(), (mask_all.sum(-1) > 0).sum().item()], device)
+    global_tokens, global_seqs = global_counts(batch, rows, device)
     stats = {"clipfrac": 0.0, "approx_kl": 0.0, "entropy": 0.0, "kl_loss": 0.0}
     loss_sum = 0.0
-    lengths = [batch["lengths"][i] for i in rows]
-    for micro in synced_micro_batches(lengths, cfg.train.micro_batch_tokens, device):
-        idx = [rows[i] for i in micro] or rows[:1]  # an empty micro-batch runs one row with weight 0
-        width = max(batch["lengths"][i] for i in idx)
-        get = lambda key: batch[key][idx, :width].to(device)  # noqa: E731
-        mask = get("action_mask") * (1.0 if micro else 0.0)
+    for get, mask in micro_steps(batch, rows, cfg.train.micro_batch_tokens, device):
         logprobs, entropy = policy_forward(policy, get("input_ids"), get("attention_mask"), cfg.rollout.temperature)
         per_token, pg_stats = rl.ppo_policy_loss(logprobs, get("old_logprobs"), get("advantages"), mask,
                                                  cfg.ppo.clip_low, cfg.ppo.clip_high, cfg.ppo.clip_dual)
@@ -218,15 +236,9 @@ def update_policy(policy, optimizer, scheduler, batch, rows, cfg, world, device,
 def update_critic(critic, optimizer, scheduler, batch, rows, cfg, world, device):
     """One optimizer step of the critic on a mini-batch: clipped value loss, global token mean."""
     from nanoagent.model import critic_forward
-    mask_all = batch["action_mask"][rows]
-    global_tokens, global_seqs = all_reduce_sum([mask_all.sum().item(), (mask_all.sum(-1) > 0).sum().item()], device)
+    global_tokens, global_seqs = global_counts(batch, rows, device)
     loss_sum, clipfrac = 0.0, 0.0
-    lengths = [batch["lengths"][i] for i in rows]
-    for micro in synced_micro_batches(lengths, cfg.train.micro_batch_tokens, device):
-        idx = [rows[i] for i in micro] or rows[:1]  # an empty micro-batch runs one row with weight 0
-        width = max(batch["lengths"][i] for i in idx)
-        get = lambda key: batch[key][idx, :width].to(device)  # noqa: E731
-        mask = get("action_mask") * (1.0 if micro else 0.0)
+    for get, mask in micro_steps(batch, rows, cfg.train.micro_batch_tokens, device):
         values = critic_forward(critic, get("input_ids"), get("attention_mask"))
         per_token, vf_stats = rl.clipped_value_loss(values, get("values"), get("returns"), mask, cfg.ppo.value_clip)
         loss = rl.aggregate_loss(per_token, mask, cfg.train.loss_agg, global_tokens, global_seqs)
@@ -252,13 +264,11 @@ def imitate(policy, env, rows, demonstrate, cfg, rank, world, device):
     per_rank = cfg.ppo.mini_batch_size // world
     for step in range(cfg.train.warm_start_steps):
         batch = collate([demos[rng.randrange(len(demos))] for _ in range(per_rank)], env.tokenizer.pad_token_id)
-        [global_tokens] = all_reduce_sum([batch["action_mask"].sum().item()], device)
+        rows = list(range(per_rank))
+        global_tokens, _ = global_counts(batch, rows, device)
         loss_sum = 0.0
-        for micro in synced_micro_batches(batch["lengths"], cfg.train.micro_batch_tokens, device):
-            idx = micro or [0]  # an empty micro-batch runs one row with weight 0
-            width = max(batch["lengths"][i] for i in idx)
-            mask = batch["action_mask"][idx, :width].to(device) * (1.0 if micro else 0.0)
-            logprobs, _ = policy_forward(policy, batch["input_ids"][idx, :width].to(device), batch["attention_mask"][idx, :width].to(device))
+        for get, mask in micro_steps(batch, rows, cfg.train.micro_batch_tokens, device):
+            logprobs, _ = policy_forward(policy, get("input_ids"), get("attention_mask"))
             loss = rl.aggregate_loss(-logprobs, mask, "token_mean", global_tokens, None)
             (loss * world).backward()
             loss_sum += loss.item()

@@ -33,16 +33,8 @@ def load_prompts(path, limit=0):
     return rows[:limit] if limit else rows
 
 
-def write_prompts(rows, path):
-    """Write rows (dicts with id, messages, answers, ...) as parquet, messages as JSON text."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    table = pa.Table.from_pylist([{**r, "messages": json.dumps(r["messages"])} for r in rows])
-    pq.write_table(table, path)
-
-
 # -----------------------------------------------------------------------------
-# arithmetic: an offline task whose answer needs a tool (the tiny preset, the learning test)
+# arithmetic: an offline task whose answer needs a tool (the tiny preset, the warm start)
 
 ARITHMETIC_SYSTEM = "Use the calculator, then give the final answer as <answer>number</answer>."
 ARITHMETIC_PHRASINGS = ("What is {a} * {b}?", "Compute {a} times {b}.")

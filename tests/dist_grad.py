@@ -1,11 +1,13 @@
 """
-Run under torchrun (gloo): the gradient of one PPO loss on a fixed batch, computed with FSDP2
-over WORLD_SIZE ranks and micro-batches of `--micro` rows; rank 0 saves the full gradient.
-Used by tests/test_distributed.py, which compares it with a single-process, unsharded run.
+Run under torchrun (gloo): the gradient of one PPO update of the trainer (train.update_policy) on a
+fixed batch, with FSDP2 over WORLD_SIZE ranks and micro-batches under `--micro-tokens`; rank 0
+saves the full gradient. tests/test_distributed.py compares it with grad_of, a plain
+single-process computation of the same loss.
 """
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -23,7 +25,8 @@ def batch(vocab, n=8, seed=0):
     return rows, masks, advantages
 
 
-def grad_of(model, rows, masks, advantages, indices, micro, global_tokens, world=1):
+def grad_of(model, rows, masks, advantages, indices, micro, global_tokens):
+    """Reference: the token-mean PPO loss written out directly, unsharded, in micro-batches of rows."""
     for s in range(0, len(indices), micro):
         idx = indices[s:s + micro]
         ids = pad_rows([rows[i] for i in idx], 0)
@@ -32,23 +35,36 @@ def grad_of(model, rows, masks, advantages, indices, micro, global_tokens, world
         adv = pad_rows([advantages[i] for i in idx], 0.0, torch.float32)
         logprobs, _ = policy_forward(model, ids, attn)
         loss, _ = rl.ppo_policy_loss(logprobs, logprobs.detach() - 0.1, adv, mask)
-        (rl.aggregate_loss(loss, mask, "token_mean", global_tokens, None) * world).backward()  # FSDP averages over ranks
+        rl.aggregate_loss(loss, mask, "token_mean", global_tokens, None).backward()
 
 
 def main():
+    """The gradient of one policy update through train.update_policy (SGD with lr 1, so the
+    parameter change is minus the gradient), with this rank's rows and micro-batch token budget."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
-    parser.add_argument("--micro", type=int, default=2)
+    parser.add_argument("--micro-tokens", type=int, required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import train
+    from nanoagent.config import make_config
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = make_config("tiny", ["algo=grpo", f"train.micro_batch_tokens={args.micro_tokens}", "train.grad_clip=1e9"])
     model = load_causal_lm(args.model)
     rows, masks, advantages = batch(model.config.vocab_size)
-    global_tokens = sum(sum(m) for m in masks)
+    ids, attn = pad_rows(rows, 0), pad_rows([[1] * len(r) for r in rows], 0)
+    with torch.no_grad():
+        old = policy_forward(model, ids, attn)[0] - 0.1  # the same old logprobs grad_of uses
+    data = {"input_ids": ids, "attention_mask": attn, "action_mask": pad_rows(masks, 0, torch.float32),
+            "advantages": pad_rows(advantages, 0.0, torch.float32), "old_logprobs": old, "lengths": [len(r) for r in rows]}
     shard(model)
-    grad_of(model, rows, masks, advantages, list(range(rank, len(rows), world)), args.micro, global_tokens, world)
-    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
+    train.update_policy(model, optimizer, scheduler, data, list(range(rank, len(rows), world)), cfg, world, torch.device("cpu"))
+    grads = {n: before[n] - p.full_tensor() for n, p in model.named_parameters()}
     if rank == 0:
         torch.save(grads, args.out)
     dist.barrier()

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from nanoagent.config import PRESETS, Config, ConfigError, all_keys, from_dict, make_config, reference, save_config, to_dict
+from nanoagent.config import PRESETS, Config, ConfigError, from_dict, make_config, save_config, to_dict
 
 
 def test_defaults_presets_and_overrides():
@@ -48,12 +48,6 @@ def test_round_trip_through_json(tmp_path):
     save_config(cfg, tmp_path / "config.json")
     again = from_dict(json.loads((tmp_path / "config.json").read_text()))
     assert to_dict(again) == to_dict(cfg)
-
-
-def test_reference_lists_every_key():
-    text = reference()
-    for key in all_keys():
-        assert key in text
 
 
 def test_train_cli_prints_saves_and_refuses(tmp_path):

@@ -24,7 +24,7 @@ def opt(default, help):
 
 @dataclass
 class DataConfig:
-    task: Literal["arithmetic", "synthetic", "hotpotqa"] = opt("hotpotqa", "task: decides the prompts, tools and reward (arithmetic: generated, offline)")
+    task: Literal["arithmetic", "synthetic", "hotpotqa"] = opt("hotpotqa", "task: decides the prompts, tools and reward (arithmetic: generated, offline; synthetic and hotpotqa: prepare_data.py + build_index.py)")
     train_path: str = opt("data/hotpotqa/train.parquet", "training prompts (parquet from prepare_data.py)")
     val_path: str = opt("data/hotpotqa/val.parquet", "held-out prompts for evaluation")
     index_dir: str = opt("data/hotpotqa/index", "search index from build_index.py")
@@ -96,6 +96,14 @@ class TrainConfig:
 
 
 @dataclass
+class RewardConfig:
+    metric: Literal["em", "substring_em", "f1"] = opt("em", "answer score in the reward: strict EM, substring EM (Agent-R1's accuracy) or token F1; all three are logged")
+    answer_weight: float = opt(1.0, "reward = answer_weight * answer score + format_weight * format check")
+    format_weight: float = opt(0.0, "weight of the format check (1 when the tags and tool calls are well formed and the last turn answers)")
+    require_think: bool = opt(False, "the format check also asks every turn to open with <think>...</think>")
+
+
+@dataclass
 class EvalConfig:
     every: int = opt(10, "evaluate every N steps (0: never)")
     num_prompts: int = opt(256, "held-out prompts per evaluation (greedy decoding)")
@@ -120,6 +128,7 @@ class Config:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
@@ -140,7 +149,8 @@ PRESETS = {
     # one GPU node: Qwen2.5-3B-Instruct on HotpotQA with search over Wikipedia (make speedrun)
     "hotpotqa": [
         "model=Qwen/Qwen2.5-3B-Instruct", "algo=grpo", "steps=200", "run_dir=out/hotpotqa",
-        "data.task=hotpotqa", "rollout.prompts_per_step=128", "rollout.group_size=5",
+        "data.task=hotpotqa", "data.train_path=data/hotpotqa/train.parquet", "data.val_path=data/hotpotqa/val.parquet",
+        "data.index_dir=data/hotpotqa/index", "reward.metric=em", "reward.format_weight=0.1", "rollout.prompts_per_step=128", "rollout.group_size=5",
         "rollout.max_turns=4", "rollout.max_new_tokens=512", "rollout.max_context_tokens=6144",
         "train.lr=1e-6", "eval.every=20", "eval.num_prompts=500",
     ],

@@ -1,0 +1,152 @@
+"""prepare_data.py: HotpotQA from files in its original JSON format, and the synthetic world."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from nanoagent.data import load_prompts
+from nanoagent.hotpotqa import SEARCH_SYSTEM, load_hotpotqa
+from nanoagent.synthetic import make_world, passages, questions, synthetic_demonstration, synthetic_task
+from nanoagent.tools import parse_tool_calls
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def prepare(*args):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "prepare_data.py"), *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return proc
+
+
+def hotpot_record(i, split):
+    """A record in HotpotQA's original JSON format (hotpot_train_v1.1.json / hotpot_dev_*_v1.json)."""
+    return {
+        "_id": f"5a8b57f25542995d1e6f13{i:02d}{split[0]}",
+        "question": f"Which magazine was started first, Arthur's Magazine {i} or First for Women {i}?",
+        "answer": f"Arthur's Magazine {i}",
+        "type": "comparison" if i % 2 else "bridge",
+        "level": ["easy", "medium", "hard"][i % 3],
+        "supporting_facts": [[f"Arthur's Magazine {i}", 0], [f"First for Women {i}", 0], [f"Arthur's Magazine {i}", 1]],
+        "context": [[f"Arthur's Magazine {i}", ["Arthur's Magazine (1844-1846) was an American literary periodical.", " It was published in Philadelphia."]],
+                    [f"First for Women {i}", ["First for Women is a woman's magazine published by Bauer Media Group in the USA."]]],
+    }
+
+
+@pytest.fixture
+def hotpot_dir(tmp_path):
+    src = tmp_path / "hotpot"
+    src.mkdir()
+    (src / "hotpot_train_v1.1.json").write_text(json.dumps([hotpot_record(i, "train") for i in range(12)]))
+    (src / "hotpot_dev_distractor_v1.json").write_text(json.dumps([hotpot_record(i, "dev") for i in range(6)]))
+    return src
+
+
+def test_hotpotqa_from_local_json(hotpot_dir, tmp_path):
+    proc = prepare("--task=hotpotqa", f"--source={hotpot_dir}", f"--out={tmp_path / 'a'}", "--train-size=5", "--val-size=3", "--seed=1")
+    assert proc.returncode == 0, proc.stderr
+    train, val = load_prompts(str(tmp_path / "a" / "train.parquet")), load_prompts(str(tmp_path / "a" / "val.parquet"))
+    assert len(train) == 5 and len(val) == 3
+    records = {r["_id"]: r for r in json.loads((hotpot_dir / "hotpot_train_v1.1.json").read_text())}
+    for row in train:
+        r = records[row["id"]]
+        assert row["answers"] == [r["answer"]] and (row["type"], row["level"], row["question"]) == (r["type"], r["level"], r["question"])
+        assert row["evidence"] == [r["supporting_facts"][0][0], r["supporting_facts"][1][0]]  # titles, first-seen order
+        assert row["messages"] == [{"role": "system", "content": SEARCH_SYSTEM}, {"role": "user", "content": f"Question: {r['question']}"}]
+    assert all(row["id"].endswith("d") for row in val)  # val comes from the dev file
+    # the same seed writes the same bytes; another seed draws another sample
+    assert prepare("--task=hotpotqa", f"--source={hotpot_dir}", f"--out={tmp_path / 'b'}", "--train-size=5", "--val-size=3", "--seed=1").returncode == 0
+    assert prepare("--task=hotpotqa", f"--source={hotpot_dir}", f"--out={tmp_path / 'c'}", "--train-size=5", "--val-size=3", "--seed=2").returncode == 0
+    for name in ("train.parquet", "val.parquet"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    assert [r["id"] for r in train] != [r["id"] for r in load_prompts(str(tmp_path / "c" / "train.parquet"))]
+    # size 0 takes the whole split, in file order
+    assert prepare("--task=hotpotqa", f"--source={hotpot_dir}", f"--out={tmp_path / 'd'}", "--val-size=100").returncode == 0
+    assert [r["id"] for r in load_prompts(str(tmp_path / "d" / "train.parquet"))] == list(records)
+
+
+def test_hotpotqa_hub_layout_rows():
+    """The hub's records (id, supporting_facts as columns) give the same rows as the JSON files."""
+    from nanoagent.hotpotqa import hotpotqa_row
+    local = hotpot_record(3, "dev")
+    hub = {**{k: v for k, v in local.items() if k not in ("_id", "supporting_facts")}, "id": local["_id"],
+           "supporting_facts": {"title": [f[0] for f in local["supporting_facts"]], "sent_id": [f[1] for f in local["supporting_facts"]]}}
+    assert hotpotqa_row(hub) == hotpotqa_row(local)
+
+
+def test_hotpotqa_bad_sources_are_named(hotpot_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="is not a folder"):
+        load_hotpotqa("train", str(tmp_path / "missing"))
+    (hotpot_dir / "hotpot_dev_distractor_v1.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no HotpotQA val file; expected one of: hotpot_dev_distractor_v1.json"):
+        load_hotpotqa("val", str(hotpot_dir))
+    (hotpot_dir / "hotpot_dev_fullwiki_v1.json").write_text(json.dumps([{"question": "q?"}]))
+    with pytest.raises(ValueError, match="hotpot_dev_fullwiki_v1.json: record 0 lacks _id, answer, type, level, supporting_facts"):
+        load_hotpotqa("val", str(hotpot_dir))
+    (hotpot_dir / "hotpot_train_v1.1.json").write_text("{not json")
+    with pytest.raises(ValueError, match="hotpot_train_v1.1.json is not JSON"):
+        load_hotpotqa("train", str(hotpot_dir))
+    proc = prepare("--task=hotpotqa", f"--source={tmp_path / 'nowhere'}", f"--out={tmp_path / 'o'}")
+    assert proc.returncode != 0 and "nowhere' is not a folder" in proc.stderr
+
+
+def test_synthetic_contract_and_determinism(tmp_path):
+    for out, seed in (("a", 0), ("b", 0), ("c", 1)):
+        proc = prepare("--task=synthetic", f"--out={tmp_path / out}", f"--seed={seed}", "--people=30", "--companies=8",
+                       "--cities=10", "--countries=3", "--val-size=20")
+        assert proc.returncode == 0, proc.stderr
+    names = ["train.parquet", "val.parquet", "corpus.jsonl"]
+    assert sorted(os.listdir(tmp_path / "a")) == sorted(names)
+    for name in names:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+        assert (tmp_path / "a" / name).read_bytes() != (tmp_path / "c" / name).read_bytes(), name
+    corpus = [json.loads(line) for line in (tmp_path / "a" / "corpus.jsonl").read_text().splitlines()]
+    assert len(corpus) == 30 + 8 + 10 + 3 and set(corpus[0]) == {"id", "title", "text"}
+    train, val = load_prompts(str(tmp_path / "a" / "train.parquet")), load_prompts(str(tmp_path / "a" / "val.parquet"))
+    assert len(val) == 20 and {r["type"] for r in train} == {"1-hop", "2-hop"}
+    assert not {r["evidence"][0] for r in val} & {r["evidence"][0] for r in train}  # split by the entity asked about
+    assert len({r["id"] for r in train + val}) == len(train) + len(val)
+
+
+def test_synthetic_answers_need_the_passages():
+    world = make_world(seed=3, people=40, companies=10, cities=12, countries=4)
+    text = {p["title"]: p["text"] for p in passages(world)}
+    assert len(text) == 40 + 10 + 12 + 4  # every title is unique
+    qs = questions(world)
+    assert {q["type"] for q in qs} == {"1-hop", "2-hop"}
+    for q in qs:
+        *before, last = q["evidence"]
+        assert q["answer"] in text[last] and q["subject"] in q["question"], q
+        if before:  # 2-hop: the subject's passage names the bridge entity, not the answer
+            assert last in text[before[0]] and q["answer"] not in text[before[0]].replace(q["subject"], ""), q
+
+
+def test_synthetic_demonstration_is_well_formed():
+    train, _, _ = synthetic_task(seed=0, val_size=10, people=20, companies=5, cities=6, countries=2)
+    rng = random.Random(0)
+    shortcuts = 0
+    for row in train:
+        turns = synthetic_demonstration(row, rng)
+        calls = [c for t in turns[:-1] for c in parse_tool_calls(t)]
+        assert all(c.name == "search" and not c.error for c in calls) and turns[-1].startswith("<answer>")
+        assert [c.arguments["query"] for c in calls] == row["evidence"][:len(calls)]
+        shortcuts += len(calls) < len(row["evidence"])
+        if len(calls) == len(row["evidence"]):
+            assert turns[-1] == f"<answer>{row['answers'][0]}</answer>"
+    assert 0 < shortcuts < len(train) / 2  # imperfect on purpose, but mostly right
+
+
+def test_prompts_fit_the_tiny_model(tiny_model_dir, tmp_path):
+    """The synthetic prompts, with the search tool's schema rendered by the chat template, fit the tiny preset."""
+    from transformers import AutoTokenizer
+    from nanoagent.config import make_config
+    from nanoagent.tools import Tool, ToolEnv, search_tool
+    train, val, _ = synthetic_task(seed=0, val_size=10)
+    env = ToolEnv([search_tool(retriever=None)], AutoTokenizer.from_pretrained(tiny_model_dir))
+    assert isinstance(env.tools["search"], Tool)
+    lengths = [len(env.prompt_ids(r["messages"])) for r in train[:50] + val]
+    assert max(lengths) < make_config("tiny").data.max_prompt_tokens
+    assert '"name": "search"' in env.render(train[0]["messages"], add_generation_prompt=True)

@@ -1,27 +1,184 @@
 """
-Embed a passage corpus with a sentence-transformers encoder and build a FAISS index for `search`.
+Embed a passage corpus with a sentence-transformers encoder and build the FAISS index the `search`
+tool queries (the folder layout is described in nanoagent/retriever.py).
 
     python build_index.py --corpus=data/synthetic/corpus.jsonl --out=data/synthetic/index --encoder=PATH
-    torchrun --nproc_per_node=8 build_index.py --corpus=beir/hotpotqa --out=data/hotpotqa/index
+    torchrun --nproc_per_node=8 build_index.py --corpus=BeIR/hotpotqa --out=data/hotpotqa/index \\
+        --encoder=intfloat/e5-base-v2 --query-prefix="query: " --passage-prefix="passage: " --index-type=ivf
 
-Status: the options below are final; the index builder is not built yet (HotpotQA issue), so the
-script says so and exits with status 3.
+--corpus: a local JSONL of {"id", "title", "text"} (BeIR's {"_id", ...} too), or a hub dataset in
+BeIR's layout through the datasets library. Steps:
+  1. rank 0 copies the corpus into the index folder as docs.jsonl + a byte-offset table, the
+     document store the search tool reads passages from without loading the corpus;
+  2. every rank embeds its share of the shards (shard i goes to rank i % world), batched, fp16 on a
+     GPU, one .npy per shard written atomically; shards already on disk are skipped, so a build that
+     was interrupted resumes where it stopped (with the same options: they are checked);
+  3. rank 0 adds the shards to a FAISS inner-product index (flat: exact, the default; ivf or hnsw:
+     approximate, for big corpora; IVF is trained on a GPU when FAISS has one) and writes meta.json.
+The embeddings/ folder is kept after the build (it lets another index type be built without
+re-embedding); delete it to save disk.
 """
 
 import argparse
+import datetime
+import json
+import math
+import os
 import sys
 
 
-def main(argv=None):
+def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus", required=True, help="JSONL of {id, title, text}, or beir/hotpotqa via datasets")
+    parser.add_argument("--corpus", required=True, help="JSONL of {id, title, text}, or a hub dataset in BeIR's layout (BeIR/hotpotqa)")
     parser.add_argument("--out", required=True, help="index folder")
     parser.add_argument("--encoder", required=True, help="sentence-transformers model: hub id or local path")
+    parser.add_argument("--query-prefix", default="", help='put before every query (e5: "query: ")')
+    parser.add_argument("--passage-prefix", default="", help='put before every passage (e5: "passage: ")')
+    parser.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True,
+                        help="unit-length embeddings, so inner product is cosine similarity")
     parser.add_argument("--index-type", choices=["flat", "ivf", "hnsw"], default="flat", help="flat: exact inner product")
+    parser.add_argument("--nlist", type=int, default=0, help="ivf: clusters (0: 4 * sqrt(passages))")
+    parser.add_argument("--nprobe", type=int, default=64, help="ivf: clusters visited per query")
+    parser.add_argument("--hnsw-m", type=int, default=32, help="hnsw: links per node")
+    parser.add_argument("--ef-search", type=int, default=128, help="hnsw: search breadth")
     parser.add_argument("--batch-size", type=int, default=512, help="passages per encoder batch")
-    parser.parse_args(argv)
-    print("build_index.py: the index builder is not built yet (see the HotpotQA issue); nothing was built.", file=sys.stderr)
-    return 3
+    parser.add_argument("--shard-size", type=int, default=100_000, help="passages per embedding shard (the unit of resuming)")
+    return parser.parse_args(argv)
+
+
+def build_settings(args, encoder, count):
+    """What the embeddings depend on: a resumed build must match it."""
+    from nanoagent.retriever import PROBE, encode
+    probe = encode(encoder, [args.query_prefix + PROBE])[0]
+    return {"encoder": args.encoder, "dim": len(probe), "query_prefix": args.query_prefix, "passage_prefix": args.passage_prefix,
+            "normalize": args.normalize, "corpus": args.corpus, "count": count, "shard_size": args.shard_size,
+            "probe": [round(float(x), 6) for x in probe]}
+
+
+def check_resume(old, new, out):
+    """A build folder may only be resumed with the settings it was started with."""
+    from nanoagent.retriever import PROBE_MIN_COSINE
+    import numpy as np
+    for key in new:
+        if key in ("encoder", "probe"):
+            continue
+        if old.get(key) != new[key]:
+            raise SystemExit(f"build_index.py: {out} holds a build with {key}={old.get(key)!r}, not {new[key]!r}; "
+                             "resume it with the same options, or use another --out (or delete that folder)")
+    if float(np.dot(old["probe"], new["probe"])) < PROBE_MIN_COSINE:
+        raise SystemExit(f"build_index.py: {out} holds embeddings made by the encoder {old['encoder']!r}, which embeds "
+                         f"differently from {new['encoder']!r}; use another --out (or delete that folder)")
+
+
+def write_json(obj, path):
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def embed_shards(docs, encoder, settings, out, batch_size, rank, world):
+    """Embed this rank's shards that are not on disk yet; returns how many it embedded."""
+    import numpy as np
+    from tqdm import tqdm
+    from nanoagent.retriever import EMBEDDINGS, encode
+    n, size = settings["count"], settings["shard_size"]
+    shards = range(math.ceil(n / size))
+    todo = [s for s in shards[rank::world] if not os.path.exists(os.path.join(out, EMBEDDINGS, f"{s:06d}.npy"))]
+    if rank == 0:
+        print(f"embedding {len(todo)} of {len(shards[rank::world])} shards on rank 0 ({len(shards)} shards, "
+              f"{world} ranks; shards already on disk are kept)", flush=True)
+    total = sum(min(n, (s + 1) * size) - s * size for s in todo)
+    chunk = batch_size * 8  # passages per encode call: one progress update, length sorting within it
+    with tqdm(total=total, unit="passage", desc="embed", disable=rank != 0, smoothing=0.05) as bar:
+        for s in todo:
+            start, end = s * size, min(n, (s + 1) * size)
+            parts = []
+            for lo in range(start, end, chunk):
+                texts = [settings["passage_prefix"] + t for t in docs.texts(lo, min(end, lo + chunk))]
+                parts.append(encode(encoder, texts, settings["normalize"], batch_size))
+                bar.update(len(texts))
+            path = os.path.join(out, EMBEDDINGS, f"{s:06d}.npy")
+            np.save(path + ".tmp.npy", np.concatenate(parts))
+            os.replace(path + ".tmp.npy", path)
+    return len(todo)
+
+
+def assemble(out, settings, args):
+    """Add every shard's embeddings to a FAISS index and write it, then meta.json (rank 0)."""
+    import faiss
+    import numpy as np
+    from nanoagent.retriever import EMBEDDINGS, INDEX, META
+    n, size, dim = settings["count"], settings["shard_size"], settings["dim"]
+    shards = [np.load(os.path.join(out, EMBEDDINGS, f"{s:06d}.npy"), mmap_mode="r") for s in range(math.ceil(n / size))]
+    for s, emb in enumerate(shards):
+        if emb.shape != (min(n, (s + 1) * size) - s * size, dim):
+            raise SystemExit(f"build_index.py: {out}/{EMBEDDINGS}/{s:06d}.npy has shape {emb.shape}; delete it and run again")
+    params = {"index_type": args.index_type}
+    if args.index_type == "flat":
+        index = faiss.IndexFlatIP(dim)
+    elif args.index_type == "ivf":
+        nlist = args.nlist or max(1, min(int(4 * math.sqrt(n)), n // 39))  # FAISS wants >= 39 training points per cluster
+        index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT)
+        params.update(nlist=nlist, nprobe=min(args.nprobe, nlist))
+        if faiss.get_num_gpus() > 0:
+            index = faiss.index_cpu_to_all_gpus(index)
+        step = max(1, n // (256 * nlist))  # an even sample of <= 256 points per cluster, FAISS's own cap
+        index.train(np.concatenate([np.asarray(e[(-s * size) % step::step]) for s, e in enumerate(shards)]))
+    else:
+        index = faiss.IndexHNSWFlat(dim, args.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction = max(128, 2 * args.hnsw_m)
+        params.update(hnsw_m=args.hnsw_m, ef_search=args.ef_search)
+    for emb in shards:
+        index.add(np.ascontiguousarray(emb))
+    if args.index_type == "ivf" and faiss.get_num_gpus() > 0:
+        index = faiss.index_gpu_to_cpu(index)
+    faiss.write_index(index, os.path.join(out, INDEX + ".tmp"))
+    os.replace(os.path.join(out, INDEX + ".tmp"), os.path.join(out, INDEX))
+    write_json({**settings, **params}, os.path.join(out, META))
+    return params
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    import torch
+    import torch.distributed as dist
+    from tqdm import tqdm
+    from nanoagent.retriever import BUILD, EMBEDDINGS, DocStore, iter_corpus, load_encoder, write_docstore
+
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:  # barriers only; embedding a big corpus takes hours, hence the long timeout
+        dist.init_process_group("gloo", timeout=datetime.timedelta(hours=24))
+    barrier = dist.barrier if world > 1 else (lambda: None)
+    device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+    encoder = load_encoder(args.encoder, device)
+    os.makedirs(os.path.join(args.out, EMBEDDINGS), exist_ok=True)
+
+    # 1. the document store, and the settings this build (or the one it resumes) uses
+    build_path = os.path.join(args.out, BUILD)
+    if rank == 0 and not os.path.exists(build_path):
+        with tqdm(unit="passage", desc="copy corpus") as bar:
+            count = write_docstore(iter_corpus(args.corpus), args.out, bar)
+        if count == 0:
+            raise SystemExit(f"build_index.py: the corpus {args.corpus} has no passages")
+        write_json(build_settings(args, encoder, count), build_path)
+    barrier()
+    with open(build_path) as f:
+        settings = json.load(f)
+    check_resume(settings, build_settings(args, encoder, settings["count"]), args.out)
+
+    # 2. embeddings, shard by shard, each rank its share
+    embedded = embed_shards(DocStore(args.out), encoder, settings, args.out, args.batch_size, rank, world)
+    barrier()
+
+    # 3. the index
+    if rank == 0:
+        params = assemble(args.out, settings, args)
+        print(f"built {args.out}: {settings['count']} passages, {settings['dim']}-dim, {params} "
+              f"(rank 0 embedded {embedded} shards this run)", flush=True)
+    barrier()
+    if world > 1:
+        dist.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":

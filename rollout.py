@@ -3,11 +3,12 @@ Roll an agent out over a dataset with its tools: write the trajectories as JSONL
 mean reward, EM / substring EM / F1 where the data has answers, turns per trajectory, response
 tokens, finish reasons and tokens/s.
 
-    python rollout.py --model out/run/hf --data data/val.parquet --tools search --corpus data/corpus.jsonl --greedy
+    python rollout.py --model out/run/hf --data data/hotpotqa/val.parquet --index data/hotpotqa/index --greedy
     python rollout.py --model tiny --data prompts.jsonl --tools calculator --config tiny rollout.max_turns=2
 
-Sampling and budgets come from the config (--config preset + key=value overrides), the same
-settings training uses: rollout.engine, rollout.temperature, rollout.max_turns, ...
+Sampling, budgets and the reward recipe come from the config (--config preset + key=value
+overrides), the same settings training uses: rollout.engine, rollout.temperature, rollout.max_turns,
+reward.metric, ...
 """
 
 import argparse
@@ -25,8 +26,8 @@ def parse_args(argv):
     parser.add_argument("--data", required=True, help="prompts: parquet from prepare_data.py, or JSONL with id, messages, answers")
     parser.add_argument("--out", default="out/rollouts.jsonl", help="trajectories, one JSON object per line")
     parser.add_argument("--tools", default="search", help="comma-separated tools: search, calculator (empty: none)")
-    parser.add_argument("--corpus", default=None, help="search: JSONL corpus of {id, title, text}")
-    parser.add_argument("--encoder", default=None, help="search: sentence-transformers encoder (default: packaged MiniLM)")
+    parser.add_argument("--index", default=None, help="search: index folder from build_index.py (default: data.index_dir)")
+    parser.add_argument("--encoder", default=None, help="search: the index's encoder from another path (default: the one it records)")
     parser.add_argument("--limit", type=int, default=0, help="roll out only the first N prompts (0: all)")
     parser.add_argument("--batch-size", type=int, default=64, help="prompts rolled out together")
     parser.add_argument("--greedy", action="store_true", help="greedy decoding (evaluation)")
@@ -57,7 +58,7 @@ def main(argv=None):
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.chat_template is None:
         sys.exit(f"rollout.py: {model_path} has no chat template; nanoagent renders prompts and tool results with it")
-    tools = make_tools([t for t in args.tools.split(",") if t], args.corpus, args.encoder, cfg.rollout.search_top_k)
+    tools = make_tools([t for t in args.tools.split(",") if t], args.index or cfg.data.index_dir, args.encoder, cfg.rollout.search_top_k)
     env = ToolEnv(tools, tokenizer, cfg.rollout.max_obs_tokens, cfg.rollout.tool_timeout_s)
     engine = make_engine(cfg.rollout.engine, model_path, tokenizer, cfg.rollout.max_context_tokens, cfg.rollout.dtype,
                          cfg.rollout.gpu_memory_utilization, cfg.rollout.tensor_parallel_size, cfg.seed)
@@ -69,7 +70,7 @@ def main(argv=None):
         for i in range(0, len(samples), args.batch_size):
             batch = run_agent(engine, env, samples[i:i + args.batch_size], sampling, cfg.rollout.max_turns, cfg.rollout.max_context_tokens)
             for t in batch:
-                score_trajectory(t)
+                score_trajectory(t, cfg.reward)
                 f.write(json.dumps(t.to_json(tokenizer)) + "\n")
             trajs += batch
             bar.update(len(batch))

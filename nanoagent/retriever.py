@@ -1,10 +1,34 @@
 """
-Dense passage retrieval: a sentence-transformers encoder and a FAISS inner-product index over
-normalised embeddings (cosine similarity). All the queries of one turn, across all live
-trajectories, are encoded as one batch.
+Dense passage retrieval for the `search` tool: a sentence-transformers encoder, a FAISS index and a
+document store, all on disk in one index folder that build_index.py writes:
+
+    meta.json      encoder (name/path, dim, a probe embedding), query/passage prefixes, normalisation,
+                   passage count, index type and search parameters; written last, so its presence
+                   means the build finished
+    index.faiss    inner-product index over the passage embeddings (flat, IVF or HNSW)
+    docs.jsonl     the passages, {"id", "title", "text"} one per line, in index order
+    offsets.npy    int64 byte offset of each line of docs.jsonl (+ the end), read as a memmap, so
+                   passage i is one positional read: the corpus never has to fit in memory
+    build.json     the build's settings, checked when an interrupted build is resumed
+    embeddings/    one .npy of float32 embeddings per shard of passages (what makes a build resumable)
+
+The index records its encoder, and IndexRetriever refuses an encoder that embeds differently
+(checked on a fixed probe sentence, so the same model under another path passes and another model
+of the same width does not): vectors from two encoders live in unrelated spaces and the search
+would return noise without any error.
+
+The index and the document store are opened memory-mapped, so the ranks of one node share one copy
+in the page cache. All the queries of a turn (across all live trajectories) are encoded as one batch.
 """
 
+import json
+import os
+
 import numpy as np
+
+META, INDEX, DOCS, OFFSETS, BUILD, EMBEDDINGS = "meta.json", "index.faiss", "docs.jsonl", "offsets.npy", "build.json", "embeddings"
+PROBE = "nanoagent encoder check: the river city was founded by an engineer in 1802."
+PROBE_MIN_COSINE = 0.99  # the same model in fp16 vs fp32 or on another device agrees to ~0.9999
 
 
 def packaged_minilm_path():
@@ -14,21 +38,184 @@ def packaged_minilm_path():
 
 
 def load_encoder(name_or_path, device=None):
+    """A sentence-transformers encoder (hub id or local path); fp16 on a GPU."""
     from sentence_transformers import SentenceTransformer
     import torch
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return SentenceTransformer(str(name_or_path), device=device)
+    encoder = SentenceTransformer(str(name_or_path), device=device)
+    if str(device).startswith("cuda"):
+        encoder.half()
+    return encoder
+
+
+def passage_text(p):
+    """What the encoder sees of a passage: title and text."""
+    return f"{p['title']}. {p['text']}" if p["title"] else p["text"]
+
+
+def encode(encoder, texts, normalize=True, batch_size=256):
+    """[n, dim] float32 embeddings."""
+    emb = encoder.encode(list(texts), batch_size=batch_size, normalize_embeddings=normalize, convert_to_numpy=True,
+                         show_progress_bar=False)
+    return np.ascontiguousarray(emb, dtype=np.float32)
+
+
+# -----------------------------------------------------------------------------
+# corpora
+
+def iter_corpus(source):
+    """
+    Passages {"id", "title", "text"} from a local JSONL file, ours ({"id", ...}) or BeIR's
+    ({"_id", "title", "text", "metadata"}), or from a hub dataset in BeIR's layout (e.g.
+    BeIR/hotpotqa, config "corpus") through the datasets library.
+    """
+    if os.path.exists(source):
+        with open(source) as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{source}:{n}: not a JSON line ({e}); a corpus is JSONL of {{\"id\", \"title\", \"text\"}}") from None
+                if not isinstance(row, dict) or "text" not in row:
+                    raise ValueError(f"{source}:{n}: a passage needs a 'text' field; a corpus is JSONL of {{\"id\", \"title\", \"text\"}}")
+                yield {"id": str(row.get("id", row.get("_id", n - 1))), "title": row.get("title") or "", "text": row["text"]}
+    elif source.endswith((".jsonl", ".json")) or source.count("/") != 1:
+        raise FileNotFoundError(f"corpus {source!r} does not exist (a JSONL of {{id, title, text}}, or a hub dataset "
+                                "id such as BeIR/hotpotqa)")
+    else:
+        from datasets import load_dataset
+        for row in load_dataset(source, "corpus", split="corpus"):
+            yield {"id": str(row["_id"]), "title": row.get("title") or "", "text": row["text"]}
+
+
+def load_corpus(path):
+    """All passages of a corpus in memory (small corpora: tests, InMemoryRetriever)."""
+    return list(iter_corpus(path))
+
+
+# -----------------------------------------------------------------------------
+# the document store: docs.jsonl + a memmap of line offsets
+
+def write_docstore(passages, index_dir, progress=None):
+    """Write docs.jsonl and offsets.npy (atomically: a crash leaves no half store). Returns the count."""
+    os.makedirs(index_dir, exist_ok=True)
+    docs, offsets = os.path.join(index_dir, DOCS), os.path.join(index_dir, OFFSETS)
+    ends = [0]
+    with open(docs + ".tmp", "wb") as f:
+        for p in passages:
+            f.write((json.dumps({"id": p["id"], "title": p["title"], "text": p["text"]}, ensure_ascii=False) + "\n").encode())
+            ends.append(f.tell())
+            if progress is not None:
+                progress.update(1)
+    os.replace(docs + ".tmp", docs)
+    np.save(offsets + ".tmp.npy", np.asarray(ends, dtype=np.int64))
+    os.replace(offsets + ".tmp.npy", offsets)
+    return len(ends) - 1
+
+
+class DocStore:
+    """Passages by position, read from disk on demand (thread-safe: positional reads)."""
+
+    def __init__(self, index_dir):
+        self.offsets = np.load(os.path.join(index_dir, OFFSETS), mmap_mode="r")
+        self.fd = os.open(os.path.join(index_dir, DOCS), os.O_RDONLY)
+
+    def __len__(self):
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i):
+        start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        return json.loads(os.pread(self.fd, end - start, start))
+
+    def texts(self, start, end):
+        """passage_text of passages [start, end): one contiguous read."""
+        lo, hi = int(self.offsets[start]), int(self.offsets[end])
+        return [passage_text(json.loads(line)) for line in os.pread(self.fd, hi - lo, lo).splitlines()]
+
+
+# -----------------------------------------------------------------------------
+# searching a built index
+
+def read_meta(index_dir):
+    path = os.path.join(index_dir, META)
+    if not os.path.exists(path):
+        if os.path.exists(os.path.join(index_dir, BUILD)):
+            raise FileNotFoundError(f"the index build in {index_dir} did not finish ({META} is missing); run build_index.py "
+                                    "again with the same options to resume it")
+        raise FileNotFoundError(f"no search index at {index_dir} ({path} is missing); build one with "
+                                f"`python build_index.py --corpus=CORPUS.jsonl --out={index_dir} --encoder=ENCODER`")
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_encoder(encoder, meta, index_dir, name=None):
+    """Refuse an encoder that does not embed like the one the index was built with."""
+    probe = encode(encoder, [meta["query_prefix"] + PROBE], normalize=True)[0]
+    dim = len(probe)
+    built = f"{index_dir} was built with the encoder {meta['encoder']!r}"
+    fix = (f"Search it with that encoder, or rebuild the index for this one: python build_index.py --corpus={os.path.join(index_dir, DOCS)} "
+           f"--out=NEW_DIR --encoder={name or 'ENCODER'}")
+    if dim != meta["dim"]:
+        raise ValueError(f"{built} ({meta['dim']}-dim embeddings), but the encoder given{f' ({name})' if name else ''} "
+                         f"makes {dim}-dim embeddings. {fix}")
+    cosine = float(probe @ np.asarray(meta["probe"], dtype=np.float32))
+    if cosine < PROBE_MIN_COSINE:
+        raise ValueError(f"{built}, and the encoder given{f' ({name})' if name else ''} embeds differently (cosine "
+                         f"{cosine:.3f} with the recorded probe embedding, need >= {PROBE_MIN_COSINE}). {fix}")
+
+
+class IndexRetriever:
+    """
+    Search over an index folder written by build_index.py. encoder: a SentenceTransformer, a hub
+    id or local path, or None for the encoder recorded in the index; it must embed like the
+    index's encoder.
+    """
+
+    def __init__(self, index_dir, encoder=None, device=None):
+        import faiss
+        self.meta = meta = read_meta(index_dir)
+        name = None  # given as a loaded model
+        if encoder is None or isinstance(encoder, str):
+            name = encoder or meta["encoder"]
+            try:
+                encoder = load_encoder(name, device)
+            except OSError as e:
+                raise OSError(f"cannot load the encoder {name!r} of the index {index_dir} ({e}); pass the same model "
+                              "from where it is on this machine (rollout.py --encoder, or IndexRetriever(encoder=...))") from None
+        check_encoder(encoder, meta, index_dir, name)
+        self.encoder = encoder
+        # memory-mapped: IVF's inverted lists, or the vectors of flat and HNSW indexes
+        mmap = faiss.IO_FLAG_MMAP if meta["index_type"] == "ivf" else faiss.IO_FLAG_MMAP_IFC
+        self.index = faiss.read_index(os.path.join(index_dir, INDEX), mmap | faiss.IO_FLAG_READ_ONLY)
+        if meta["index_type"] == "ivf":
+            self.index.nprobe = meta["nprobe"]
+        elif meta["index_type"] == "hnsw":
+            self.index.hnsw.efSearch = meta["ef_search"]
+        self.docs = DocStore(index_dir)
+        if len(self.docs) != self.index.ntotal or self.index.ntotal != meta["count"]:
+            raise ValueError(f"{index_dir} is inconsistent: {meta['count']} passages in {META}, {self.index.ntotal} in "
+                             f"{INDEX}, {len(self.docs)} in {DOCS}; rebuild it with build_index.py")
+
+    def search(self, queries, k):
+        """queries: list of str -> for each, the top-k passages (dicts with id, title, text, score)."""
+        if not queries:
+            return []
+        q = encode(self.encoder, [self.meta["query_prefix"] + query for query in queries], self.meta["normalize"])
+        scores, ids = self.index.search(q, min(k, self.index.ntotal))
+        return [[{**self.docs[int(i)], "score": float(s)} for s, i in zip(row_s, row_i) if i >= 0]
+                for row_s, row_i in zip(scores, ids)]
 
 
 class InMemoryRetriever:
-    """Passages held in memory with an exact FAISS index: small corpora, tests, the synthetic world."""
+    """Passages held in memory with an exact FAISS index, built on the spot: tests, a handful of passages."""
 
     def __init__(self, passages, encoder, batch_size=256):
         import faiss
         self.passages = list(passages)  # dicts with "title" and "text"
         self.encoder = encoder
-        emb = encoder.encode([f"{p['title']}. {p['text']}" for p in self.passages], batch_size=batch_size,
-                             normalize_embeddings=True, convert_to_numpy=True).astype(np.float32)
+        emb = encode(encoder, [passage_text(p) for p in self.passages], batch_size=batch_size)
         self.index = faiss.IndexFlatIP(emb.shape[1])
         self.index.add(emb)
 
@@ -36,25 +223,6 @@ class InMemoryRetriever:
         """queries: list of str -> for each, the top-k passages (dicts with title, text, score)."""
         if not queries:
             return []
-        q = self.encoder.encode(list(queries), normalize_embeddings=True, convert_to_numpy=True).astype(np.float32)
-        scores, ids = self.index.search(q, min(k, len(self.passages)))
+        scores, ids = self.index.search(encode(self.encoder, queries), min(k, len(self.passages)))
         return [[{**self.passages[i], "score": float(s)} for s, i in zip(row_s, row_i) if i >= 0]
                 for row_s, row_i in zip(scores, ids)]
-
-
-def load_corpus(path):
-    """Passages from a JSONL file of {"id", "title", "text"} (the BeIR corpus format)."""
-    import json
-    import os
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"corpus {path!r} does not exist")
-    passages = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if "text" not in row:
-                raise ValueError(f"{path}:{n}: a passage needs a 'text' field")
-            passages.append({"id": str(row.get("id", n)), "title": row.get("title", ""), "text": row["text"]})
-    return passages

@@ -255,7 +255,8 @@ def format_passages(passages):
 
 
 def search_tool(retriever, top_k=3):
-    """`search` over a retriever (anything with search(queries, k) -> passages per query)."""
+    """`search` over a retriever (anything with search(queries, k) -> passages per query); all
+    the calls of a turn go to the retriever, hence to the encoder, as one batch."""
     def call_batch(arguments):
         return [format_passages(hits) for hits in retriever.search([a["query"] for a in arguments], top_k)]
 
@@ -269,17 +270,19 @@ def search_tool(retriever, top_k=3):
     )
 
 
-def make_tools(names, corpus_path=None, encoder=None, top_k=3):
-    """The tools a task uses, by name: "calculator", "search" (over a JSONL corpus of {id, title, text})."""
+def make_tools(names, index_dir=None, encoder=None, top_k=3):
+    """The tools a task uses, by name: "calculator", "search" (over an index folder from build_index.py;
+    encoder None: the one the index records)."""
     tools = []
     for name in names:
         if name == "calculator":
             tools.append(calculator_tool())
         elif name == "search":
-            if not corpus_path:
-                raise ValueError("the search tool needs a corpus (a JSONL file of {id, title, text})")
-            from nanoagent.retriever import InMemoryRetriever, load_corpus, load_encoder, packaged_minilm_path
-            tools.append(search_tool(InMemoryRetriever(load_corpus(corpus_path), load_encoder(encoder or packaged_minilm_path())), top_k))
+            if not index_dir:
+                raise ValueError("the search tool needs an index folder: build one with build_index.py and pass it "
+                                 "(data.index_dir=DIR for train.py, --index DIR for rollout.py)")
+            from nanoagent.retriever import IndexRetriever
+            tools.append(search_tool(IndexRetriever(index_dir, encoder), top_k))
         else:
             raise ValueError(f"unknown tool {name!r}; built-in tools: calculator, search")
     return tools

@@ -3,6 +3,9 @@ The multi-turn rollout with the real vLLM CPU engine and a tiny model that has m
 tool-using conversations (tests/scripted.py), so every path runs through real sampling and tools.
 """
 
+import json
+import os
+import sys
 import time
 
 import pytest
@@ -13,9 +16,11 @@ import scripted
 from nanoagent.agent import run_agent
 from nanoagent.engine import HFEngine, SamplingConfig, VLLMEngine, stop_token_ids
 from nanoagent.retriever import InMemoryRetriever, load_encoder, packaged_minilm_path
-from nanoagent.tools import Tool, ToolEnv, calculator_tool, search_tool
+from nanoagent.reward import score_trajectory
+from nanoagent.tools import Tool, ToolEnv, calculator_tool, make_tools, search_tool
 
 pytestmark = pytest.mark.slow
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_CONTEXT = 2048
 GREEDY = SamplingConfig(max_new_tokens=48, greedy=True)
 
@@ -39,6 +44,17 @@ def scripted_dir(tiny_model_dir, env, tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(scripted_dir, env):
     return VLLMEngine(scripted_dir, stop_token_ids(env.tokenizer), MAX_CONTEXT, dtype="float32", seed=0)
+
+
+@pytest.fixture(scope="module")
+def index_dir(tmp_path_factory):
+    """scripted.CORPUS as an on-disk index, built by build_index.py with the packaged MiniLM."""
+    sys.path.insert(0, ROOT)
+    import build_index
+    root = tmp_path_factory.mktemp("index")
+    (root / "corpus.jsonl").write_text("".join(json.dumps(p) + "\n" for p in scripted.CORPUS))
+    build_index.main([f"--corpus={root / 'corpus.jsonl'}", f"--out={root / 'index'}", f"--encoder={packaged_minilm_path()}"])
+    return str(root / "index")
 
 
 def samples():
@@ -161,27 +177,41 @@ def test_hf_fallback_engine_gives_the_same_trajectories(greedy_trajs, env, scrip
         assert (torch.tensor(traj.rollout_logprobs) - torch.tensor(ref.rollout_logprobs))[mask].abs().max() <= 1e-4
 
 
-def test_rollout_cli_writes_trajectories_and_metrics(scripted_dir, tmp_path):
-    import json
+def test_multi_turn_search_over_a_built_index(engine, env, index_dir):
+    """The memorised model searches the on-disk index (IndexRetriever: FAISS file, memmapped
+    document store), reads the result in the next turn and answers: the same trajectory as with
+    the in-memory retriever it was trained against, scored by the task's reward."""
+    search = make_tools(["search"], index_dir, top_k=1)[0]
+    disk = ToolEnv([env.tools["calculator"], env.tools["sleep"], search], env.tokenizer, env.max_obs_tokens, env.timeout_s)
+    sample = {"id": "q", "messages": scripted.user("Who founded Nanotown?"), "answers": ["Ada Quill"]}
+    [t] = run_agent(engine, disk, [sample], GREEDY, max_turns=4, max_context_tokens=MAX_CONTEXT)
+    [ref] = run_agent(engine, env, [sample], GREEDY, max_turns=4, max_context_tokens=MAX_CONTEXT)
+    [call] = t.tool_calls
+    assert call.name == "search" and not call.error
+    assert call.result == "Doc 1 (Title: Nanotown) Nanotown is a river city founded by Ada Quill in 1802."
+    assert t.finish_reason == "answer" and len(t.turn_spans) == 2 and t.response_ids == ref.response_ids
+    check_token_exact(t, disk)
+    assert score_trajectory(t) == 1.0 and t.scores == {"em": 1.0, "substring_em": 1.0, "f1": 1.0, "format": 1.0}
+
+
+def test_rollout_cli_writes_trajectories_and_metrics(scripted_dir, index_dir, tmp_path):
     import subprocess
-    import sys
     data = tmp_path / "prompts.jsonl"
     with open(data, "w") as f:
         for q, answer in [("Compute 12*7.", "84"), ("Say hi.", "hi"), ("Who founded Nanotown?", "Ada Quill")]:
             f.write(json.dumps({"id": q, "messages": scripted.user(q), "answers": [answer]}) + "\n")
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps(p) + "\n" for p in scripted.CORPUS))
     out = tmp_path / "rollouts.jsonl"
     proc = subprocess.run([sys.executable, "rollout.py", "--model", scripted_dir, "--data", str(data), "--out", str(out),
-                           "--tools", "calculator,search", "--corpus", str(corpus), "--greedy", "--config", "tiny",
-                           "rollout.max_turns=3"], capture_output=True, text=True, timeout=600)
+                           "--tools", "calculator,search", "--index", index_dir, "--greedy", "--config", "tiny",
+                           "rollout.max_turns=3", "reward.format_weight=0.5"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == ["Compute 12*7.", "Say hi.", "Who founded Nanotown?"]
     for r in rows:
         assert len(r["response_ids"]) == len(r["action_mask"]) == len(r["rollout_logprobs"])
-        assert r["finish_reason"] in ("answer", "truncated", "context_budget", "max_turns") and set(r["scores"]) == {"em", "substring_em", "f1"}
-    assert "em " in proc.stdout and "finish/answer" in proc.stdout and "action_tokens_per_s" in proc.stdout
+        assert r["finish_reason"] in ("answer", "truncated", "context_budget", "max_turns") and set(r["scores"]) == {"em", "substring_em", "f1", "format"}
+        assert r["reward"] == r["scores"]["em"] + 0.5 * r["scores"]["format"]
+    assert "em " in proc.stdout and "format " in proc.stdout and "finish/answer" in proc.stdout and "action_tokens_per_s" in proc.stdout
     bad = subprocess.run([sys.executable, "rollout.py", "--model", scripted_dir, "--data", str(tmp_path / "missing.parquet")],
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "does not exist" in bad.stderr

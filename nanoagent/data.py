@@ -37,16 +37,27 @@ def load_prompts(path, limit=0):
 # arithmetic: an offline task whose answer needs a tool (the tiny preset, the warm start)
 
 ARITHMETIC_SYSTEM = "Use the calculator, then give the final answer as <answer>number</answer>."
-ARITHMETIC_PHRASINGS = ("What is {a} * {b}?", "Compute {a} times {b}.")
+ARITHMETIC_PHRASINGS = ("What is {a} * {b}?", "Compute {a} * {b}.")  # the numbers at the same place from the end
+
+
+def arithmetic_pairs(seed, split):
+    """The operand pairs of a split: a, b in 3..9 (products of two digits, which a tiny model
+    cannot compute but the calculator can), with a quarter of the 49 pairs held out for "val" so
+    held-out questions are ones the model never trained on."""
+    pairs = [(a, b) for a in range(3, 10) for b in range(3, 10)]
+    random.Random(f"arithmetic-{seed}").shuffle(pairs)
+    held_out = len(pairs) // 4
+    return pairs[:held_out] if split == "val" else pairs[held_out:]
 
 
 def arithmetic_task(n, seed=0, split="train"):
-    """n prompts "multiply two 2-digit numbers": a tiny model cannot, so reward needs the
-    calculator and copying its result. Deterministic in (seed, split)."""
+    """n prompts "multiply two numbers": reward needs the calculator, called with the question's
+    numbers, and copying its result. Deterministic in (seed, split)."""
+    pairs = arithmetic_pairs(seed, split)
     rng = random.Random(f"arithmetic-{seed}-{split}")
     rows = []
     for i in range(n):
-        a, b = rng.randint(32, 99), rng.randint(32, 99)  # products have 4 digits
+        a, b = pairs[rng.randrange(len(pairs))]
         phrasing = i % len(ARITHMETIC_PHRASINGS)
         question = ARITHMETIC_PHRASINGS[phrasing].format(a=a, b=b)
         rows.append({"id": f"{split}-{i}", "answers": [str(a * b)], "a": a, "b": b, "phrasing": phrasing,
@@ -57,10 +68,11 @@ def arithmetic_task(n, seed=0, split="train"):
 def arithmetic_demonstration(row, rng):
     """
     Scripted assistant turns for a warm start by imitation, deliberately imperfect so RL has room:
-    on the first phrasing the demonstrator uses the calculator 90% of the time, on the second
-    only 30%; otherwise it guesses an answer (wrong) without a tool.
+    the demonstrator uses the calculator on 60% of the first phrasing and 20% of the second, and
+    otherwise guesses without a tool: a + b, never the product for a, b >= 3. Imitation leaves a
+    greedy policy that often guesses; RL has to learn that the calculator pays on both phrasings.
     """
-    use_tool = rng.random() < (0.9 if row["phrasing"] == 0 else 0.3)
+    use_tool = rng.random() < (0.6 if row["phrasing"] == 0 else 0.2)
     if not use_tool:
         return [f"<answer>{row['a'] + row['b']}</answer>"]
     call = json.dumps({"name": "calculator", "arguments": {"expression": f"{row['a']} * {row['b']}"}})

@@ -56,7 +56,7 @@ CHAT_TEMPLATE = (
 )
 
 # Bump when the builder's output changes, so cached copies are rebuilt.
-TINY_VERSION = 1
+TINY_VERSION = 3
 
 
 def _tokenizer_corpus():
@@ -71,20 +71,29 @@ def _tokenizer_corpus():
                    "\"object\", \"properties\": {\"query\": {\"type\": \"string\"}}, \"required\": [\"query\"]}}}\n"
                    "</tools>\n\nFor each function call, return a json object with function name and arguments within "
                    "<tool_call></tool_call> XML tags:")
-    lines = [boilerplate, " ".join(words), "0 1 2 3 4 5 6 7 8 9 10 100 + - * / ( ) . , : ; ? ! \" ' { } [ ]"]
+    lines = [boilerplate, " ".join(words), "0 1 2 3 4 5 6 7 8 9 + - * / ( ) . , : ; ? ! \" ' { } [ ]"]
     for w in words:
         lines.append(f'<tool_call>\n{{"name": "search", "arguments": {{"query": "{w}"}}}}\n</tool_call>')
         lines.append(f"<think>The {w} is</think>\n<answer>{w}</answer>")
     return lines * 4
 
 
+# Qwen2's pre-tokenizer split: every digit is its own token, so a number copied from a question
+# into a tool call, or from a tool result into an answer, is the same tokens in both places.
+PRETOKENIZE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
 def build_tokenizer(vocab_size=1024):
     """A byte-level BPE (every string is encodable) wrapped as a transformers fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     special = [ENDOFTEXT, IM_START, IM_END]
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special + TOOL_TAGS,

@@ -1,4 +1,4 @@
-# nanoagent: `make install` then `make test`.
+# nanoagent: `make install` then `make test`; `make demo` (CPU, minutes), `make speedrun` (GPU node).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -6,7 +6,9 @@ PIP    := $(PY) -m pip
 # An NVIDIA driver on the machine selects the CUDA builds of vLLM and FAISS; otherwise the CPU builds.
 VARIANT := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 
-.PHONY: install test test-fast clean
+DEMO   := out/demo
+
+.PHONY: install test test-fast demo speedrun clean
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +26,21 @@ test:
 
 test-fast:
 	$(PY) -m pytest -q -m "not slow"
+
+# The whole loop offline on a CPU: synthetic world -> MiniLM index -> tiny model -> warm start -> RL
+# -> evaluation -> $(DEMO)/run/report.md
+demo:
+	$(PY) prepare_data.py --task=synthetic --out=$(DEMO)/data
+	$(PY) build_index.py --corpus=$(DEMO)/data/corpus.jsonl --out=$(DEMO)/data/index \
+		--encoder="$$($(PY) -c 'from nanoagent.retriever import packaged_minilm_path; print(packaged_minilm_path())')"
+	rm -rf $(DEMO)/run
+	$(PY) train.py --config=demo run_dir=$(DEMO)/run data.train_path=$(DEMO)/data/train.parquet \
+		data.val_path=$(DEMO)/data/val.parquet data.index_dir=$(DEMO)/data/index
+	$(PY) report.py --run=$(DEMO)/run
+
+# One GPU node, all its GPUs: HotpotQA -> index -> RL -> evaluation -> out/speedrun/report.md
+speedrun:
+	bash speedrun.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache

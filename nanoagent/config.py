@@ -146,6 +146,17 @@ PRESETS = {
         "train.activation_checkpointing=false", "train.save_every=0", "train.warm_start_steps=0",
         "eval.every=0", "eval.num_prompts=32",
     ],
+    # make demo (CPU, minutes): the tiny model learns the synthetic search task, warm start then GRPO
+    "demo": [
+        "model=tiny", "algo=grpo", "steps=12", "run_dir=out/demo/run", "resume=never",
+        "data.task=synthetic", "data.train_path=out/demo/data/train.parquet", "data.val_path=out/demo/data/val.parquet",
+        "data.index_dir=out/demo/data/index", "data.max_prompt_tokens=768",
+        "rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.max_turns=4", "rollout.max_new_tokens=48",
+        "rollout.max_context_tokens=2048", "rollout.max_obs_tokens=256", "rollout.dtype=float32", "rollout.tool_timeout_s=10",
+        "ppo.mini_batch_size=16", "train.lr=3e-4", "train.micro_batch_tokens=8192", "train.dtype=float32",
+        "train.activation_checkpointing=false", "train.save_every=0", "train.warm_start_steps=150", "train.warm_start_lr=3e-3",
+        "eval.every=6", "eval.num_prompts=32",
+    ],
     # one GPU node: Qwen2.5-3B-Instruct on HotpotQA with search over Wikipedia (make speedrun)
     "hotpotqa": [
         "model=Qwen/Qwen2.5-3B-Instruct", "algo=grpo", "steps=200", "run_dir=out/hotpotqa",

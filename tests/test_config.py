@@ -39,7 +39,7 @@ def test_bad_overrides_are_refused_with_the_key(override, message):
 
 
 def test_unknown_preset_lists_the_valid_ones():
-    with pytest.raises(ConfigError, match="valid: tiny, hotpotqa"):
+    with pytest.raises(ConfigError, match="valid: tiny, demo, hotpotqa"):
         make_config("huge")
 
 

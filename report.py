@@ -1,0 +1,161 @@
+"""
+Write report.md for a training run: the config, held-out metrics before and after RL, the training
+curves as PNG, and (for make speedrun) the wall time of each stage and the GPU-hours.
+
+    python report.py --run=out/demo/run                                  # -> out/demo/run/report.md
+    python report.py --run=out/speedrun/run --eval=out/speedrun/val.jsonl --stages=out/speedrun/stages.tsv \
+        --gpus=8 --out=out/speedrun/report.md
+
+Inputs are what train.py writes: <run>/config.json and <run>/metrics.jsonl (one JSON object per
+step; step 0 is the evaluation before RL, when eval.every > 0). --eval is the trajectories JSONL of
+rollout.py on the whole validation set. --stages is a TSV of `stage<TAB>seconds` lines, one per
+pipeline stage.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+EVAL_KEYS = ["reward", "em", "substring_em", "f1", "turns"]
+
+
+def read_metrics(path):
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} does not exist: is --run a folder written by train.py?")
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if not rows:
+        raise ValueError(f"{path} is empty: the run logged no step")
+    return rows
+
+
+def read_stages(path):
+    stages = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                name, _, seconds = line.rstrip("\n").partition("\t")
+                try:
+                    stages.append((name, float(seconds)))
+                except ValueError:
+                    raise ValueError(f"{path}:{n}: expected `stage<TAB>seconds`, got {line.strip()!r}") from None
+    return stages
+
+
+def eval_summary(path):
+    """Means over rollout.py's trajectories: reward, the three answer scores, turns."""
+    with open(path) as f:
+        trajs = [json.loads(line) for line in f if line.strip()]
+    if not trajs:
+        raise ValueError(f"{path} holds no trajectories")
+    summary = {k: sum(t["scores"][k] for t in trajs) / len(trajs) for k in ("em", "substring_em", "f1")}
+    summary["reward"] = sum(t["reward"] for t in trajs) / len(trajs)
+    summary["turns"] = sum(t["turns"] for t in trajs) / len(trajs)
+    return summary, len(trajs)
+
+
+def plot(rows, out_dir):
+    """Two PNGs: the reward curve (training samples and held-out greedy evaluation), and turns and
+    response length per step. Returns their file names."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in rows if "reward" in r]
+    evals = [r for r in rows if "eval/reward" in r]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in train], [r["reward"] for r in train], label="training rollouts (sampled)", alpha=0.8)
+    ax.plot([r["step"] for r in evals], [r["eval/reward"] for r in evals], "o-", label="held-out (greedy)")
+    ax.set(xlabel="step", ylabel="reward", title="Reward")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "reward.png"), dpi=120)
+    plt.close(fig)
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
+    ax1.plot([r["step"] for r in train], [r["turns"] for r in train])
+    ax1.set(xlabel="step", ylabel="assistant turns", title="Turns per trajectory")
+    ax2.plot([r["step"] for r in train], [r["response_tokens"] for r in train])
+    ax2.set(xlabel="step", ylabel="tokens", title="Response length")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "turns_length.png"), dpi=120)
+    plt.close(fig)
+    return ["reward.png", "turns_length.png"]
+
+
+def write_report(run_dir, out_path, eval_path=None, stages=(), gpus=0):
+    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    with open(os.path.join(run_dir, "config.json")) as f:
+        config = json.load(f)
+    out_dir = os.path.dirname(os.path.abspath(out_path))
+    os.makedirs(out_dir, exist_ok=True)
+    images = plot(rows, out_dir)
+    evals = [r for r in rows if "eval/reward" in r]
+    train = [r for r in rows if "reward" in r]
+
+    lines = [f"# nanoagent report: {config['algo']} on {config['data']['task']}", "",
+             f"Run folder `{run_dir}`, model `{config['model']}`, {len(train)} RL steps.", ""]
+    lines += ["## Held-out metrics (greedy decoding)", ""]
+    if evals:
+        before, after = evals[0], evals[-1]
+        lines += [f"| metric | before RL (step {before['step']}) | after RL (step {after['step']}) | change |",
+                  "|---|---|---|---|"]
+        for k in EVAL_KEYS:
+            b, a = before.get(f"eval/{k}"), after.get(f"eval/{k}")
+            if b is not None and a is not None:
+                lines.append(f"| {k} | {b:.3f} | {a:.3f} | {a - b:+.3f} |")
+        lines += ["", "reward = the task's reward recipe; em = strict exact match; substring_em = a gold answer occurs "
+                  "in the prediction (Agent-R1's accuracy); f1 = token F1 (SQuAD).", ""]
+    else:
+        lines += ["No evaluation was logged (eval.every=0).", ""]
+
+    if eval_path:
+        summary, n = eval_summary(eval_path)
+        lines += [f"## Validation set: {n} questions (rollout.py, greedy)", "", "| metric | value |", "|---|---|"]
+        lines += [f"| {k} | {summary[k]:.3f} |" for k in EVAL_KEYS] + [""]
+    lines += ["## Training curves", ""] + [f"![{name}]({name})" for name in images] + [""]
+    if train:
+        last = train[-1]
+        step_times = sorted(r["time/step"] for r in train)
+        lines += ["## Throughput", "",
+                  f"- median step time {step_times[len(step_times) // 2]:.2f} s; last step: rollout {last['time/rollout']:.2f} s, "
+                  f"logprob/value passes {last['time/forward']:.2f} s, update {last['time/update']:.2f} s, "
+                  f"weight push {last['time/push']:.2f} s",
+                  f"- {last['tokens_per_s']:.0f} tokens/s ({last['action_tokens_per_s']:.0f} action tokens/s) at the last step", ""]
+    if stages:
+        total = sum(s for _, s in stages)
+        lines += ["## Stages", "", "| stage | wall time |", "|---|---|"]
+        lines += [f"| {name} | {seconds / 60:.1f} min |" for name, seconds in stages]
+        lines += [f"| total | {total / 60:.1f} min |", ""]
+        if gpus:
+            lines += [f"GPU-hours: {total / 3600 * gpus:.2f} ({gpus} GPUs x {total / 3600:.2f} h)", ""]
+    lines += ["## Config", "", "```json", json.dumps(config, indent=2), "```", ""]
+    with open(out_path, "w") as f:
+        f.write("\n".join(lines))
+    return out_path
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", required=True, help="run folder of train.py (config.json, metrics.jsonl)")
+    parser.add_argument("--out", default=None, help="report path (default: <run>/report.md); the PNGs go next to it")
+    parser.add_argument("--eval", default=None, help="trajectories JSONL of rollout.py on the validation set")
+    parser.add_argument("--stages", default=None, help="TSV of stage<TAB>seconds (make speedrun writes it)")
+    parser.add_argument("--gpus", type=int, default=0, help="GPUs used, for GPU-hours")
+    args = parser.parse_args(argv)
+    try:
+        stages = read_stages(args.stages) if args.stages else []
+        path = write_report(args.run, args.out or os.path.join(args.run, "report.md"), args.eval, stages, args.gpus)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"report.py: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

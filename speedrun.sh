@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# make speedrun: the HotpotQA search agent on one GPU node, from nothing to report.md.
+#   install -> prepare HotpotQA -> embed + index the Wikipedia corpus -> RL (torchrun over all GPUs)
+#   -> evaluate on the validation set -> report.md (metrics, curves, wall time per stage, GPU-hours)
+# A stage that finished is skipped on a rerun (delete $OUT/done/<stage> to redo it); an interrupted
+# index build or training run resumes where it stopped. Settings come from the environment:
+#   NGPU=8 MODEL=Qwen/Qwen2.5-3B-Instruct ALGO=grpo OUT=out/speedrun TRAIN_SIZE=20000 VAL_SIZE=500 \
+#   ENCODER=intfloat/e5-base-v2 EXTRA="steps=300 train.lr=5e-7" make speedrun
+set -euo pipefail
+
+NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+MODEL=${MODEL:-Qwen/Qwen2.5-3B-Instruct}
+ALGO=${ALGO:-grpo}
+OUT=${OUT:-out/speedrun}
+DATA=${DATA:-data/hotpotqa}
+TRAIN_SIZE=${TRAIN_SIZE:-20000}
+VAL_SIZE=${VAL_SIZE:-500}
+ENCODER=${ENCODER:-intfloat/e5-base-v2}
+EXTRA=${EXTRA:-}
+PY=.venv/bin/python
+TORCHRUN=.venv/bin/torchrun
+if [ "$NGPU" -lt 1 ]; then echo "speedrun: no GPU found (nvidia-smi -L); set NGPU or run make demo on a CPU" >&2; exit 1; fi
+mkdir -p "$OUT/done"
+
+stage() {  # stage NAME COMMAND...: run once, append its wall time to stages.tsv
+    local name=$1; shift
+    if [ -f "$OUT/done/$name" ]; then echo "== $name: done before, skipped"; return; fi
+    echo "== $name: $*"
+    local start=$SECONDS
+    "$@"
+    printf '%s\t%s\n' "$name" "$((SECONDS - start))" >> "$OUT/stages.tsv"
+    touch "$OUT/done/$name"
+}
+
+stage install make install
+stage data $PY prepare_data.py --task=hotpotqa --out="$DATA" --train-size="$TRAIN_SIZE" --val-size="$VAL_SIZE"
+stage index $TORCHRUN --standalone --nproc_per_node="$NGPU" build_index.py --corpus=BeIR/hotpotqa --out="$DATA/index" \
+    --encoder="$ENCODER" --query-prefix="query: " --passage-prefix="passage: "
+# shellcheck disable=SC2086  # EXTRA is a list of key=value overrides
+stage train $TORCHRUN --standalone --nproc_per_node="$NGPU" train.py --config=hotpotqa algo="$ALGO" model="$MODEL" \
+    run_dir="$OUT/run" data.train_path="$DATA/train.parquet" data.val_path="$DATA/val.parquet" data.index_dir="$DATA/index" $EXTRA
+stage eval $PY rollout.py --config=hotpotqa --model="$OUT/run/hf" --data="$DATA/val.parquet" --index="$DATA/index" \
+    --out="$OUT/val.jsonl" --greedy
+$PY report.py --run="$OUT/run" --eval="$OUT/val.jsonl" --stages="$OUT/stages.tsv" --gpus="$NGPU" --out="$OUT/report.md"

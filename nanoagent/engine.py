@@ -65,6 +65,10 @@ class VLLMEngine:
             enable_sleep_mode=on_gpu,
             logprobs_mode="processed_logprobs",  # logprobs after temperature: the distribution sampled from
             enable_prefix_caching=True,  # turn k+1's prompt is turn k's sequence: its KV is reused
+            # CPU: a prompt split over two steps rewinds its seeded sampler's offset, which torch's CPU
+            # generator does not have ("CPU Generator does not use offset"): prefill whole prompts.
+            enable_chunked_prefill=on_gpu,
+            max_num_batched_tokens=None if on_gpu else max_model_len,
         )
         self.stop_ids = list(stop_ids)
         self.asleep = False

@@ -215,3 +215,14 @@ def test_rollout_cli_writes_trajectories_and_metrics(scripted_dir, index_dir, tm
     bad = subprocess.run([sys.executable, "rollout.py", "--model", scripted_dir, "--data", str(tmp_path / "missing.parquet")],
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "does not exist" in bad.stderr
+
+
+def test_seeded_sampling_of_a_batch_longer_than_one_step(engine):
+    """More prompt tokens than vLLM schedules in one step, each request with its own seed: on the
+    CPU a prefill split over two steps crashed the seeded sampler. Same seeds, same samples."""
+    prompts = [[5 + (i * 7 + j) % 300 for j in range(MAX_CONTEXT - 64)] for i in range(6)]
+    sampling = SamplingConfig(max_new_tokens=8, temperature=1.0)
+    first = engine.generate(prompts, sampling, seeds=list(range(6)))
+    again = engine.generate(prompts, sampling, seeds=list(range(6)))
+    assert [g.token_ids for g in first] == [g.token_ids for g in again]
+    assert all(len(g.token_ids) >= 1 for g in first)

@@ -5,7 +5,7 @@ colocated rollout engine in every rank that gets the new weights after every upd
 
     torchrun --nproc_per_node=8 train.py --config=hotpotqa algo=grpo model=Qwen/Qwen2.5-3B-Instruct
     torchrun --nproc_per_node=2 train.py --config=tiny algo=ppo steps=2 run_dir=out/tiny   # CPU
-    python train.py --config=tiny train.warm_start_steps=800 train.warm_start_lr=3e-3      # one process
+    python train.py --config=tiny train.warm_start_steps=400 train.warm_start_lr=3e-3      # one process
 
 One step, top to bottom:
   1. rollout: every rank rolls out its share of the prompts (G times each), multi-turn with tools;
@@ -36,7 +36,7 @@ from nanoagent.config import ConfigError, format_config, make_config, reference,
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, epilog=reference(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None, help="preset name (tiny, hotpotqa); default: the built-in defaults")
+    parser.add_argument("--config", default=None, help="preset name (tiny, demo, hotpotqa); default: the built-in defaults")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, dotted keys")
     args = parser.parse_args(argv)
     try:
@@ -50,13 +50,16 @@ def parse_args(argv):
 
 def load_task(cfg):
     """(train rows, val rows, tools, demonstration function or None) for cfg.data.task."""
-    from nanoagent.data import arithmetic_demonstration, arithmetic_task
-    from nanoagent.tools import calculator_tool
+    from nanoagent.data import arithmetic_demonstration, arithmetic_task, load_prompts
+    from nanoagent.synthetic import synthetic_demonstration
+    from nanoagent.tools import calculator_tool, make_tools
     if cfg.data.task == "arithmetic":
         return (arithmetic_task(cfg.data.num_train, cfg.seed, "train"), arithmetic_task(cfg.data.num_val, cfg.seed, "val"),
                 [calculator_tool()], arithmetic_demonstration)
-    raise ConfigError(f"data.task={cfg.data.task!r} is not available yet (its data and index come with the HotpotQA "
-                      "task); valid now: arithmetic")
+    # synthetic and hotpotqa: prompt files from prepare_data.py, search over an index from build_index.py
+    tools = make_tools(["search"], cfg.data.index_dir, top_k=cfg.rollout.search_top_k)
+    return (load_prompts(cfg.data.train_path), load_prompts(cfg.data.val_path), tools,
+            synthetic_demonstration if cfg.data.task == "synthetic" else None)
 
 
 def step_prompts(rows, step, per_rank, rank, world, seed, shuffle):
@@ -257,6 +260,7 @@ def imitate(policy, env, rows, demonstrate, cfg, rank, world, device):
     action tokens (mask = 1), a global token mean. Its own AdamW, so RL's optimizer starts fresh.
     """
     from nanoagent.agent import scripted_trajectory
+    from nanoagent.common import print0
     from nanoagent.model import policy_forward
     rng = random.Random(f"{cfg.seed}-demos-{rank}")
     demos = [scripted_trajectory(env, row, demonstrate(row, rng)) for row in rows[rank::world]]
@@ -277,7 +281,6 @@ def imitate(policy, env, rows, demonstrate, cfg, rank, world, device):
         optimizer.zero_grad(set_to_none=True)
         [loss_sum] = all_reduce_sum([loss_sum], device)
         if step % 20 == 0 or step == cfg.train.warm_start_steps - 1:
-            from nanoagent.common import print0
             print0(f"warm start {step + 1:4d}/{cfg.train.warm_start_steps} | nll {loss_sum:.4f}")
 
 
@@ -298,7 +301,7 @@ def evaluate(engine, env, rows, cfg, rank, world, device):
     mine = rows[:cfg.eval.num_prompts][rank::world]
     trajs = run_agent(engine, env, mine, SamplingConfig(cfg.rollout.max_new_tokens, greedy=True), cfg.rollout.max_turns, cfg.rollout.max_context_tokens)
     for t in trajs:
-        score_trajectory(t)
+        score_trajectory(t, cfg.reward)
     keys = ["reward", "em", "substring_em", "f1", "turns"]
     sums = [sum(t.reward for t in trajs)] + [sum(t.scores[k] for t in trajs) for k in keys[1:4]] + [sum(len(t.turn_spans) for t in trajs)]
     totals = all_reduce_sum(sums + [len(trajs)], device)
@@ -409,7 +412,7 @@ def main(argv=None):
         engine.sleep()
         # 2. rewards
         for t in trajs:
-            score_trajectory(t)
+            score_trajectory(t, cfg.reward)
         batch = collate(trajs, tokenizer.pad_token_id)
         mask = batch["action_mask"]
         rewards = token_rewards(trajs, batch, cfg.train.tool_call_reward)
@@ -481,7 +484,7 @@ def main(argv=None):
         metrics.update({"lr": schedulers["policy"].get_last_lr()[0], "time/rollout": t1 - t0, "time/forward": t2 - t1,
                         "time/update": t3 - t2, "time/push": t4 - t3, "time/step": t4 - t0,
                         "tokens_per_s": n_tokens / (t4 - t0), "action_tokens_per_s": n_action / (t4 - t0)})
-        if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
+        if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.steps):
             metrics.update(evaluate(engine, env, val_rows, cfg, rank, world, device))
         print0(f"step {step + 1:4d}/{cfg.steps} | reward {metrics['reward']:.3f} | em {metrics.get('em', 0):.3f} | "
                f"turns {metrics['turns']:.2f} | resp {metrics['response_tokens']:.0f} | kl {metrics.get('kl', metrics.get('approx_kl', 0)):.4f} | "
@@ -500,8 +503,6 @@ def main(argv=None):
             print0("SIGTERM: checkpoint written, stopping")
             break
 
-    if cfg.eval.every:
-        print0(" | ".join(f"{k} {v:.3f}" for k, v in evaluate(engine, env, val_rows, cfg, rank, world, device).items()))
     export_dir = os.path.join(cfg.run_dir, "hf")
     export_hf(policy, tokenizer, export_dir)
     diff = check_export(policy, export_dir, env.prompt_ids(val_rows[0]["messages"]), cfg, device)

@@ -146,7 +146,8 @@ PRESETS = {
         "train.activation_checkpointing=false", "train.save_every=0", "train.warm_start_steps=0",
         "eval.every=0", "eval.num_prompts=32",
     ],
-    # make demo (CPU, minutes): the tiny model learns the synthetic search task, warm start then GRPO
+    # make demo (CPU, minutes): the whole loop on the synthetic search task, warm start then GRPO; the format
+    # term gives GRPO a signal where the tiny model answers nothing right
     "demo": [
         "model=tiny", "algo=grpo", "steps=12", "run_dir=out/demo/run", "resume=never",
         "data.task=synthetic", "data.train_path=out/demo/data/train.parquet", "data.val_path=out/demo/data/val.parquet",
@@ -155,7 +156,7 @@ PRESETS = {
         "rollout.max_context_tokens=2048", "rollout.max_obs_tokens=256", "rollout.dtype=float32", "rollout.tool_timeout_s=10",
         "ppo.mini_batch_size=16", "train.lr=3e-4", "train.micro_batch_tokens=8192", "train.dtype=float32",
         "train.activation_checkpointing=false", "train.save_every=0", "train.warm_start_steps=150", "train.warm_start_lr=3e-3",
-        "eval.every=6", "eval.num_prompts=32",
+        "reward.format_weight=0.5", "eval.every=6", "eval.num_prompts=32",
     ],
     # one GPU node: Qwen2.5-3B-Instruct on HotpotQA with search over Wikipedia (make speedrun)
     "hotpotqa": [

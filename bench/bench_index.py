@@ -31,6 +31,7 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 
 import build_index  # noqa: E402
+from nanoagent.common import median_time  # noqa: E402
 from nanoagent.retriever import IndexRetriever, encode, load_encoder, packaged_minilm_path, passage_text  # noqa: E402
 from nanoagent.synthetic import synthetic_task  # noqa: E402
 
@@ -52,15 +53,6 @@ def hotpotqa_length_passages(n):
             if len(out) == n:
                 break
     return out, [r["question"] for r in train + val]
-
-
-def median_time(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main():

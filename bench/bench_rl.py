@@ -10,7 +10,6 @@ Speed and memory of the RL math on this machine (prints figures; asserts nothing
 """
 
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -19,21 +18,9 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 from nanoagent import rl  # noqa: E402
+from nanoagent.common import median_time  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def median_time(fn, repeats=5):
-    times = []
-    for _ in range(repeats):
-        if DEVICE == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if DEVICE == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def logprob_variant(variant, N, V, dtype):

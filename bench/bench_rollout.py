@@ -29,21 +29,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import scripted  # noqa: E402
 from nanoagent.agent import run_agent  # noqa: E402
+from nanoagent.common import median_time  # noqa: E402
 from nanoagent.engine import SamplingConfig, VLLMEngine, stop_token_ids  # noqa: E402
 from nanoagent.retriever import InMemoryRetriever, load_encoder, packaged_minilm_path  # noqa: E402
 from nanoagent.tiny import build_tiny_model  # noqa: E402
 from nanoagent.tools import ToolEnv, calculator_tool, search_tool  # noqa: E402
 
 REPEATS = 3
-
-
-def median_time(fn, repeats=REPEATS):
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def bench_loop(engine, env, copies):

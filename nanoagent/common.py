@@ -5,6 +5,8 @@ import json
 import os
 import random
 import socket
+import statistics
+import time
 
 import numpy as np
 import torch
@@ -77,3 +79,18 @@ def resolve_model(name):
         from nanoagent.tiny import ensure_tiny_model
         return ensure_tiny_model()
     return name
+
+
+def median_time(fn, repeats=5):
+    """Median wall time of fn() over repeats runs, GPU work included (bench/ scripts: these
+    machines are noisy)."""
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

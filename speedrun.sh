@@ -6,6 +6,8 @@
 # index build or training run resumes where it stopped. Settings come from the environment:
 #   NGPU=8 MODEL=Qwen/Qwen2.5-3B-Instruct ALGO=grpo OUT=out/speedrun TRAIN_SIZE=20000 VAL_SIZE=500 \
 #   ENCODER=intfloat/e5-base-v2 EXTRA="steps=300 train.lr=5e-7" make speedrun
+# Offline inputs: SOURCE=<folder of HotpotQA JSON files> CORPUS=<corpus JSONL>; NGPU=1 without a GPU
+# runs every stage on the CPU with gloo (tests/test_speedrun.py does, with the tiny model).
 set -euo pipefail
 
 NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | wc -l)}
@@ -15,11 +17,15 @@ OUT=${OUT:-out/speedrun}
 DATA=${DATA:-data/hotpotqa}
 TRAIN_SIZE=${TRAIN_SIZE:-20000}
 VAL_SIZE=${VAL_SIZE:-500}
+SOURCE=${SOURCE:-}
+CORPUS=${CORPUS:-BeIR/hotpotqa}
 ENCODER=${ENCODER:-intfloat/e5-base-v2}
+QUERY_PREFIX=${QUERY_PREFIX-"query: "}
+PASSAGE_PREFIX=${PASSAGE_PREFIX-"passage: "}
 EXTRA=${EXTRA:-}
-PY=.venv/bin/python
-TORCHRUN=.venv/bin/torchrun
-if [ "$NGPU" -lt 1 ]; then echo "speedrun: no GPU found (nvidia-smi -L); set NGPU or run make demo on a CPU" >&2; exit 1; fi
+PY=${PY:-.venv/bin/python}
+TORCHRUN=${TORCHRUN:-.venv/bin/torchrun}
+if [ "$NGPU" -lt 1 ]; then echo "speedrun: no GPU found (nvidia-smi -L); set NGPU, or run make demo on a CPU" >&2; exit 1; fi
 mkdir -p "$OUT/done"
 
 stage() {  # stage NAME COMMAND...: run once, append its wall time to stages.tsv
@@ -33,12 +39,14 @@ stage() {  # stage NAME COMMAND...: run once, append its wall time to stages.tsv
 }
 
 stage install make install
-stage data $PY prepare_data.py --task=hotpotqa --out="$DATA" --train-size="$TRAIN_SIZE" --val-size="$VAL_SIZE"
-stage index $TORCHRUN --standalone --nproc_per_node="$NGPU" build_index.py --corpus=BeIR/hotpotqa --out="$DATA/index" \
-    --encoder="$ENCODER" --query-prefix="query: " --passage-prefix="passage: "
+stage data $PY prepare_data.py --task=hotpotqa --out="$DATA" --train-size="$TRAIN_SIZE" --val-size="$VAL_SIZE" \
+    ${SOURCE:+--source="$SOURCE"}
+stage index $TORCHRUN --standalone --nproc_per_node="$NGPU" build_index.py --corpus="$CORPUS" --out="$DATA/index" \
+    --encoder="$ENCODER" --query-prefix="$QUERY_PREFIX" --passage-prefix="$PASSAGE_PREFIX"
 # shellcheck disable=SC2086  # EXTRA is a list of key=value overrides
 stage train $TORCHRUN --standalone --nproc_per_node="$NGPU" train.py --config=hotpotqa algo="$ALGO" model="$MODEL" \
     run_dir="$OUT/run" data.train_path="$DATA/train.parquet" data.val_path="$DATA/val.parquet" data.index_dir="$DATA/index" $EXTRA
+# shellcheck disable=SC2086
 stage eval $PY rollout.py --config=hotpotqa --model="$OUT/run/hf" --data="$DATA/val.parquet" --index="$DATA/index" \
-    --out="$OUT/val.jsonl" --greedy
+    --out="$OUT/val.jsonl" --greedy $EXTRA
 $PY report.py --run="$OUT/run" --eval="$OUT/val.jsonl" --stages="$OUT/stages.tsv" --gpus="$NGPU" --out="$OUT/report.md"

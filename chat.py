@@ -1,14 +1,19 @@
 """
 Talk to a trained agent in the terminal and watch it work: its reasoning, each tool call (name and
-arguments), each tool result and the final answer, in separate panels.
+arguments), each tool result and the final answer, each in its own panel.
 
-    python chat.py --model out/run/hf --index data/hotpotqa/index
-    python chat.py --model out/run/hf --index data/hotpotqa/index --question "Who directed ...?"   # once
-    python chat.py --model out/tiny/hf --tools calculator --question "What is 7 * 8?"
+    python chat.py --model out/run/hf                          # the run's tools, index and budgets
+    python chat.py --model out/demo/run/hf --question "Where was Tresto Falfonzas born?"   # once, then exit
+    python chat.py --model Qwen/Qwen2.5-3B-Instruct --config hotpotqa --index data/hotpotqa/index
+    python chat.py --model out/tiny/hf --tools calculator rollout.max_turns=2
 
-Each answer is one run of the same multi-turn loop, tool environment and chat template as training
-(nanoagent/agent.py: run_agent), so what you see is what RL optimised. The conversation carries
-over: the next question is appended to the messages so far. Ctrl-C or Ctrl-D (end of input) leaves.
+An answer is one run of the very loop, tool environment and chat template that training rolled out
+(nanoagent/agent.py: run_agent), with the tools, system prompt, question wording and budgets of the
+training config, so what you watch is what RL optimised. That config is the run's own
+(<run_dir>/config.json, next to the <run_dir>/hf export) unless --config names a preset, with
+key=value overrides as in train.py. The conversation carries over: each question is appended to
+the messages so far. Ctrl-C or Ctrl-D (end of input) leaves. When stdout is not a terminal (a pipe,
+a file) the panels come out as plain text without colour, so --question is scriptable.
 """
 
 import argparse
@@ -17,122 +22,195 @@ import os
 import re
 import sys
 
-THINK_RE = re.compile(r"<think>(.*?)</think>", re.DOTALL)
-TOOL_CALL_RE = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)
+from nanoagent.config import ConfigError, apply_overrides, from_dict, make_config, reference
+
+THINK_TAG_RE = re.compile(r"</?think>")
+CALL_BLOCK_RE = re.compile(r"<tool_call>.*?(?:</tool_call>|\Z)", re.DOTALL)  # closed, or cut off by the token budget
+STOPPED = {  # why an answer ended without one, and the setting behind it
+    "truncated": "the turn ran out of new tokens (rollout.max_new_tokens)",
+    "context_budget": "the conversation reached the context budget (rollout.max_context_tokens)",
+    "max_turns": "the agent used all its turns (rollout.max_turns)",
+}
 
 
 def fail(message):
+    """A clear one-line error and a non-zero exit instead of a traceback."""
     print(f"chat.py: {message}", file=sys.stderr)
     sys.exit(2)
 
 
-def show_turns(console, messages, calls):
-    """Panels for the assistant turns and tool results of one answer (messages after the question)."""
+def load_config(model, preset, overrides):
+    """(config, where it came from): the named preset, else the config.json a training run wrote
+    next to its <run_dir>/hf export, else the defaults; then the command line's overrides."""
+    run_config = os.path.join(os.path.dirname(os.path.normpath(model)), "config.json")
+    try:
+        if preset is not None:
+            return make_config(preset, overrides), f"preset {preset}"
+        if os.path.isdir(model) and os.path.isfile(run_config):
+            with open(run_config) as f:
+                saved = json.load(f)
+            if isinstance(saved, dict) and "data" in saved and "rollout" in saved:  # a nanoagent run's, not any config.json
+                return apply_overrides(from_dict(saved), overrides), run_config
+        return make_config(None, overrides), "defaults"
+    except (ConfigError, json.JSONDecodeError) as e:
+        fail(f"config: {e}")
+
+
+def task_prompt(tools):
+    """(system prompt, question wording) of the task these tools were trained on: the search tasks
+    (hotpotqa.py, synthetic.py) or arithmetic (data.py)."""
+    from nanoagent.data import ARITHMETIC_SYSTEM
+    from nanoagent.hotpotqa import SEARCH_SYSTEM
+    if "search" in tools:
+        return SEARCH_SYSTEM, "Question: {}"  # as hotpotqa.qa_row words a question
+    if "calculator" in tools:
+        return ARITHMETIC_SYSTEM, "{}"
+    return "", "{}"
+
+
+def ask(engine, env, messages, question, sampling, max_turns, max_context):
+    """
+    Answer one question: the agent loop over the conversation so far plus the question. Returns
+    the trajectory; its messages are the conversation to continue. A conversation that no longer
+    fits the context budget starts over from the system prompt: the trajectory's prompt then holds
+    only the system prompt and the question.
+    """
+    from nanoagent.agent import run_agent
+    asked = messages + [{"role": "user", "content": question}]
+    if len(env.prompt_ids(asked)) >= max_context:
+        restart = [m for m in messages[:1] if m["role"] == "system"] + asked[-1:]
+        if len(env.prompt_ids(restart)) >= max_context:
+            raise ValueError(f"the question alone is over the context budget of {max_context} tokens (rollout.max_context_tokens)")
+        asked = restart
+    [traj] = run_agent(engine, env, [{"id": "chat", "messages": asked, "answers": []}], sampling, max_turns, max_context)
+    return traj
+
+
+def show(console, traj):
+    """The panels of one answer: for each assistant turn its reasoning, its tool calls with their
+    results, and the answer."""
     from rich.panel import Panel
     from rich.text import Text
 
-    from nanoagent.reward import extract_answer
-    calls = iter(calls)
-    for m in messages:
-        if m["role"] == "assistant":
-            content = m["content"]
-            for thought in THINK_RE.findall(content):
-                console.print(Panel(Text(thought.strip()), title="thinking", border_style="dim", style="dim"))
-            for _ in TOOL_CALL_RE.findall(content):
-                call = next(calls, None)
-                if call is None:
-                    break
-                args = json.dumps(call.arguments, ensure_ascii=False) if call.arguments is not None else "(unparsable)"
-                console.print(Panel(Text(f"{call.name}({args})"), title="tool call", border_style="yellow"))
-                console.print(Panel(Text(call.result), title="error" if call.error else f"{call.name} result",
-                                    border_style="red" if call.error else "blue"))
-            answer = extract_answer(content)
-            if answer is not None:
-                console.print(Panel(Text(answer), title="answer", border_style="green"))
-            elif not TOOL_CALL_RE.search(content):
-                rest = TOOL_CALL_RE.sub("", THINK_RE.sub("", content)).strip()
-                if rest:
-                    console.print(Panel(Text(rest), title="reply (no <answer> tag)", border_style="magenta"))
+    from nanoagent.reward import ANSWER_RE, extract_answer
+    turns = [m["content"] for m in traj.messages[len(traj.sample["messages"]):] if m["role"] == "assistant"]
+    for turn, content in enumerate(turns):
+        calls = [c for c in traj.tool_calls if c.turn == turn]
+        answer = extract_answer(content)
+        blocks = CALL_BLOCK_RE.findall(content)
+        prose = THINK_TAG_RE.sub("", ANSWER_RE.sub("", CALL_BLOCK_RE.sub("", content))).strip()
+        if prose and (calls or answer is not None):
+            console.print(Panel(Text(prose), title="reasoning", title_align="left", border_style="dim"))
+        elif prose:  # no call and no <answer> tag: the whole reply is what the agent said
+            console.print(Panel(Text(prose), title="reply", title_align="left", border_style="magenta"))
+        out_of_turns = traj.finish_reason == "max_turns" and turn == len(turns) - 1  # its calls never ran
+        for i, call in enumerate(calls):
+            if call.name is not None:
+                said = f"{call.name}({json.dumps(call.arguments, ensure_ascii=False)})"
+            else:  # unparsable: what the model wrote (parse_tool_calls makes one call per block, in order)
+                said = blocks[i] if i < len(blocks) else "(malformed tool call)"
+            console.print(Panel(Text(said), title="tool call", title_align="left", border_style="yellow"))
+            if out_of_turns:
+                continue
+            console.print(Panel(Text(call.result), title=f"{call.name or 'tool'} error" if call.error else f"{call.name} result",
+                                title_align="left", border_style="red" if call.error else "blue"))
+        if answer is not None:
+            console.print(Panel(Text(answer, style="bold"), title="answer", title_align="left", border_style="green"))
+    if traj.finish_reason in STOPPED:
+        console.print(Text(f"(stopped: {STOPPED[traj.finish_reason]})", style="dim"))
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, epilog=reference(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="exported checkpoint folder (<run_dir>/hf), hub id, or 'tiny'")
-    parser.add_argument("--index", default=None, help="search index folder from build_index.py (enables the search tool)")
-    parser.add_argument("--tools", default=None, help="comma-separated tools: search, calculator (default: search with --index, else calculator)")
-    parser.add_argument("--system", default=None, help="system prompt (default: the training prompt of the task the tools belong to)")
     parser.add_argument("--question", default=None, help="answer this one question and exit")
-    parser.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto", help="generation engine (auto: vLLM where installed)")
-    parser.add_argument("--max-turns", type=int, default=6, help="assistant turns per answer")
-    parser.add_argument("--max-new-tokens", type=int, default=512, help="tokens per turn")
-    parser.add_argument("--max-context", type=int, default=8192, help="token budget of the whole conversation (at most the model's)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--config", default=None, help="preset for tools and budgets (default: the run's config.json, else the defaults)")
+    parser.add_argument("--tools", default=None, help="comma-separated tools: search, calculator, or empty for none (default: the task's)")
+    parser.add_argument("--index", default=None, help="search: index folder from build_index.py (default: data.index_dir)")
+    parser.add_argument("--system", default=None, help="system prompt (default: the one the task trained with)")
+    parser.add_argument("--engine", choices=["auto", "vllm", "hf"], default=None, help="generation engine (default: rollout.engine)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. rollout.max_turns=6")
     args = parser.parse_args(argv)
-
-    tools = [t for t in (args.tools or ("search" if args.index else "calculator")).split(",") if t]
-    if "search" in tools and not args.index:
-        fail("the search tool needs --index (a folder from build_index.py)")
-    if args.index and not os.path.exists(os.path.join(args.index, "meta.json")):
-        fail(f"--index {args.index!r} is not a search index (no meta.json); build one with build_index.py")
-    if os.path.sep in args.model or args.model.startswith("."):
-        if not os.path.isdir(args.model):
-            fail(f"--model {args.model!r} does not exist (an exported run has <run_dir>/hf)")
+    if args.temperature < 0:
+        parser.error("--temperature must be >= 0")
+    if os.path.isdir(args.model) and not os.path.isfile(os.path.join(args.model, "config.json")):
+        fail(f"--model {args.model!r} is a folder without a model (no config.json); a run exports to <run_dir>/hf")
+    if not os.path.exists(args.model) and (os.path.isabs(args.model) or args.model.startswith(".") or args.model.count("/") > 1):
+        fail(f"--model {args.model!r} does not exist (and is a path, not a hub id); a run exports to <run_dir>/hf")
+    cfg, config_source = load_config(args.model, args.config, args.overrides)
+    if args.tools is not None:
+        tools = [t.strip() for t in args.tools.split(",") if t.strip()]
+    else:
+        tools = ["calculator"] if cfg.data.task == "arithmetic" else ["search"]  # as train.py's load_task
+    index_dir = args.index or cfg.data.index_dir
 
     import torch
     from rich.console import Console
+    from rich.text import Text
     from transformers import AutoConfig, AutoTokenizer
 
-    from nanoagent.agent import run_agent
     from nanoagent.common import resolve_model
-    from nanoagent.data import ARITHMETIC_SYSTEM
     from nanoagent.engine import SamplingConfig, make_engine
-    from nanoagent.hotpotqa import SEARCH_SYSTEM
     from nanoagent.tools import ToolEnv, make_tools
 
     model_path = resolve_model(args.model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-    except (OSError, ValueError) as e:
-        fail(f"cannot load a tokenizer from --model {args.model!r}: {str(e).splitlines()[0]}")
+        max_positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    except Exception as e:  # an unknown hub id, a broken folder: transformers says what is wrong
+        fail(f"--model {args.model!r} does not load: {str(e).strip().splitlines()[0]}")
     if not tokenizer.chat_template:
-        fail(f"{args.model} has no chat template; nanoagent renders conversations and tool results with it")
+        fail(f"--model {args.model!r} has no chat template; nanoagent renders conversations and tool results with it")
     try:
-        env = ToolEnv(make_tools(tools, args.index), tokenizer)
-    except (ValueError, FileNotFoundError) as e:
+        env = ToolEnv(make_tools(tools, index_dir, top_k=cfg.rollout.search_top_k), tokenizer,
+                      cfg.rollout.max_obs_tokens, cfg.rollout.tool_timeout_s)
+    except (OSError, ValueError) as e:  # no index there, an unknown tool, an index that will not load
         fail(str(e))
-    config = AutoConfig.from_pretrained(model_path)
-    max_context = min(args.max_context, getattr(config, "max_position_embeddings", None) or args.max_context)
+    max_context = min(cfg.rollout.max_context_tokens, max_positions or cfg.rollout.max_context_tokens)
+    dtype = cfg.rollout.dtype if torch.cuda.is_available() else "float32"  # bfloat16 on a CPU: slow, or not there
     console = Console()
-    with console.status("loading the model"):
-        engine = make_engine(args.engine, model_path, tokenizer, max_context,
-                             "bfloat16" if torch.cuda.is_available() else "float32")
-    sampling = SamplingConfig(args.max_new_tokens, args.temperature or 1.0, greedy=args.temperature == 0)
-    system = args.system or (SEARCH_SYSTEM if "search" in tools else ARITHMETIC_SYSTEM)
-    messages = [{"role": "system", "content": system}]
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs to stdout, which is the chat's
+    try:
+        with console.status(f"loading {args.model}"):
+            engine = make_engine(args.engine or cfg.rollout.engine, model_path, tokenizer, max_context, dtype,
+                                 cfg.rollout.gpu_memory_utilization, cfg.rollout.tensor_parallel_size, cfg.seed)
+    except (OSError, RuntimeError, ValueError) as e:  # no vLLM, weights missing, a stop tag the tokenizer splits
+        fail(f"cannot start the engine for {args.model!r}: {str(e).strip().splitlines()[0]}")
+    sampling = SamplingConfig(cfg.rollout.max_new_tokens, args.temperature or 1.0, cfg.rollout.top_p, greedy=args.temperature == 0)
+    system, wording = task_prompt(tools)
+    system = system if args.system is None else args.system
+    messages = [{"role": "system", "content": system}] if system else []
 
     def answer(question):
         nonlocal messages
-        asked = messages + [{"role": "user", "content": question}]
-        [traj] = run_agent(engine, env, [{"id": "chat", "messages": asked, "answers": []}], sampling,
-                           args.max_turns, max_context)
-        show_turns(console, traj.messages[len(asked):], traj.tool_calls)
-        if traj.finish_reason != "answer":
-            console.print(f"[dim](stopped: {traj.finish_reason})[/dim]")
+        with console.status("thinking"):
+            traj = ask(engine, env, messages, wording.format(question), sampling, cfg.rollout.max_turns, max_context)
+        if len(traj.sample["messages"]) <= len(messages):  # ask started over
+            console.print(Text("(the conversation outgrew the context budget: it starts over from this question)", style="dim"))
+        show(console, traj)
         messages = traj.messages
 
     if args.question is not None:
-        answer(args.question)
+        try:
+            answer(args.question)
+        except ValueError as e:
+            fail(str(e))
         return 0
-    console.print(f"[bold]nanoagent chat[/bold] with {args.model} (tools: {', '.join(tools) or 'none'}). Ctrl-D or Ctrl-C to leave.")
-    try:
-        while True:
-            question = console.input("[bold cyan]you>[/bold cyan] ").strip()
-            if question:
+    console.print(Text.assemble(("nanoagent chat", "bold"), f" with {args.model}\ntools: {', '.join(tools) or 'none'}, "
+                                f"config: {config_source}; Ctrl-D or Ctrl-C leaves"), style="dim")
+    while True:
+        question = console.input("[bold cyan]you>[/bold cyan] ").strip()
+        if question:
+            try:
                 answer(question)
-    except (EOFError, KeyboardInterrupt):
-        console.print()
-    return 0
+            except ValueError as e:
+                console.print(Text(str(e), style="red"))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (EOFError, KeyboardInterrupt):  # Ctrl-D at the prompt, Ctrl-C anywhere: leave quietly
+        print()
+        sys.exit(0)

@@ -1,94 +1,198 @@
-"""chat.py end to end: a tiny model that memorised a calculator conversation answers through a real
-tool call, once (--question) and interactively through a pseudo-terminal; bad input is refused
-with a clear message."""
+"""
+chat.py: a tiny model that memorised scripted.py's calculator conversation answers through a real
+tool call, once (--question, on the vLLM CPU engine) and interactively in a pseudo-terminal (the
+fallback engine); the conversation carries over from question to question; the panels show every
+part of a turn; bad input is refused with one clear line and a non-zero status.
+"""
 
-import json
 import os
 import pty
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import time
+from io import StringIO
 
 import pytest
+from rich.console import Console
 from transformers import AutoTokenizer
 
 import scripted
-from nanoagent.tools import ToolEnv, calculator_tool
+from nanoagent.agent import Trajectory
+from nanoagent.engine import HFEngine, SamplingConfig, stop_token_ids
+from nanoagent.tools import ToolEnv, calculator_tool, parse_tool_calls
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SYSTEM = scripted.user("")[0]["content"]
+sys.path.insert(0, ROOT)
+import chat  # noqa: E402
+
 CHAT = [sys.executable, os.path.join(ROOT, "chat.py")]
+QUESTION = "Compute 12*7."
+SYSTEM = scripted.user(QUESTION)[0]["content"]
+GREEDY = SamplingConfig(max_new_tokens=48, greedy=True)
 
 
 @pytest.fixture(scope="module")
-def chat_model(tiny_model_dir, tmp_path_factory):
-    env = ToolEnv([calculator_tool()], AutoTokenizer.from_pretrained(tiny_model_dir))
-    path, loss = scripted.memorise(tiny_model_dir, str(tmp_path_factory.mktemp("chat_model")), env, steps=150)
-    assert loss < 0.05, f"the tiny model did not memorise the scripts (loss {loss:.3f})"
+def env(tiny_model_dir):
+    return ToolEnv([calculator_tool()], AutoTokenizer.from_pretrained(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_model_dir, env, tmp_path_factory):
+    """The tiny model after memorising the one calculator conversation (a few seconds)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(scripted, "SCRIPTS", {QUESTION: scripted.SCRIPTS[QUESTION]})
+        path, loss = scripted.memorise(tiny_model_dir, str(tmp_path_factory.mktemp("chat_model")), env, steps=60)
+    assert loss < 0.05, f"the tiny model did not memorise the conversation (loss {loss:.3f})"
     return path
+
+
+def test_conversation_carries_over_and_starts_over_when_full(chat_model, env):
+    engine = HFEngine(chat_model, stop_token_ids(env.tokenizer), env.tokenizer.pad_token_id, "float32")
+    system = [{"role": "system", "content": SYSTEM}]
+    first = chat.ask(engine, env, system, QUESTION, GREEDY, 4, 2048)
+    assert [(c.name, c.result) for c in first.tool_calls] == [("calculator", "84")] and first.final_text == "<answer>84</answer>"
+    second = chat.ask(engine, env, first.messages, "And again?", GREEDY, 4, 2048)
+    assert second.sample["messages"] == first.messages + [{"role": "user", "content": "And again?"}]
+    assert second.prompt_ids[:len(first)] == first.prompt_ids + first.response_ids  # the first exchange, token for token
+    # a conversation over the context budget starts over from the system prompt with the new question
+    continued = len(env.prompt_ids(first.messages + [{"role": "user", "content": QUESTION}]))
+    third = chat.ask(engine, env, first.messages, QUESTION, GREEDY, 4, continued)
+    assert third.sample["messages"] == system + [{"role": "user", "content": QUESTION}] and third.final_text == "<answer>84</answer>"
+    with pytest.raises(ValueError, match="over the context budget"):
+        chat.ask(engine, env, system, QUESTION, GREEDY, 4, 16)
+
+
+def test_panels_show_reasoning_calls_results_errors_and_answer(env):
+    def trajectory(turns, finish_reason):
+        asked = scripted.user(QUESTION)
+        t = Trajectory(sample={"messages": asked}, prompt_ids=[], messages=list(asked), finish_reason=finish_reason)
+        for turn, content in enumerate(turns):
+            calls = parse_tool_calls(content)
+            if not (finish_reason == "max_turns" and turn == len(turns) - 1):  # as run_agent: a call in the last turn never runs
+                env.run(calls)
+            for c in calls:
+                c.turn = turn
+            t.tool_calls += calls
+            t.messages += [{"role": "assistant", "content": content}] + [{"role": "tool", "content": c.result} for c in calls]
+        return t
+
+    def render(traj):
+        console = Console(file=StringIO(), width=100, color_system=None)
+        chat.show(console, traj)
+        return console.file.getvalue()
+
+    out = render(trajectory(["<think>Multiply with the tool.</think>\n" + scripted.call("calculator", {"expression": "12*7"}) +
+                             scripted.call(None, None, raw="{oops}"), "<answer>84</answer>"], "answer"))
+    order = ["reasoning", "Multiply with the tool.", "tool call", 'calculator({"expression": "12*7"})', "calculator result", "84",
+             "tool call", "{oops}", "tool error", "invalid JSON", "answer", "84"]
+    at = 0
+    for text in order:
+        at = out.index(text, at)  # there, and in this order
+    assert "<think>" not in out and "stopped" not in out
+    out = render(trajectory(["No tags, and the turn ran out of tok"], "truncated"))
+    assert "reply" in out and "No tags, and the turn ran out of tok" in out and "(stopped: the turn ran out of new tokens" in out
+    out = render(trajectory([scripted.call("calculator", {"expression": "1+1"})] * 2, "max_turns"))
+    assert out.count("tool call") == 2 and out.count("calculator result") == 1 and "(stopped: the agent used all its turns" in out
 
 
 @pytest.mark.slow
 def test_question_answers_once_through_a_tool_call(chat_model):
     proc = subprocess.run(CHAT + ["--model", chat_model, "--tools", "calculator", "--system", SYSTEM, "--engine", "vllm",
-                                 "--question", "Compute 12*7."], capture_output=True, text=True, timeout=300, cwd=ROOT)
+                                  "--question", QUESTION], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
-    assert "tool call" in out and 'calculator({"expression": "12*7"})' in out
-    assert "calculator result" in out and "answer" in out
-    assert out.index("calculator result") < out.rindex("84")  # the result, then the answer that copies it
+    out = proc.stdout  # a pipe: plain text, no colour codes, nothing but the panels
+    assert "\x1b[" not in out and out.lstrip().startswith("╭─ tool call")
+    at = [out.index('calculator({"expression": "12*7"})'), out.index("calculator result"), out.index("answer")]
+    assert at == sorted(at) and "84" in out[at[1]:at[2]] and "84" in out[at[2]:]
+
+
+def spawn_chat(*args):
+    """chat.py in a pseudo-terminal, as a person would run it; returns (pid, terminal fd)."""
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.chdir(ROOT)
+        os.execv(sys.executable, CHAT + list(args))
+    return pid, fd
+
+
+def read_until(fd, text, timeout=240):
+    seen, end = b"", time.time() + timeout
+    while text.encode() not in seen and time.time() < end:
+        if select.select([fd], [], [], 1)[0]:
+            try:
+                seen += os.read(fd, 65536)
+            except OSError:  # the child closed the terminal
+                break
+    return seen.decode(errors="replace")
+
+
+def exit_status(pid, timeout=60):
+    end = time.time() + timeout
+    while time.time() < end:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError(f"chat.py did not exit within {timeout}s")
 
 
 @pytest.mark.slow
-def test_interactive_chat_in_a_terminal(chat_model):
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: chat.py on the pseudo-terminal
-        os.chdir(ROOT)
-        os.execv(sys.executable, CHAT + ["--model", chat_model, "--tools", "calculator", "--system", SYSTEM, "--engine", "hf"])
-
-    def read_until(text, timeout):
-        seen, end = b"", time.time() + timeout
-        while text.encode() not in seen and time.time() < end:
-            if select.select([fd], [], [], 1)[0]:
-                try:
-                    seen += os.read(fd, 65536)
-                except OSError:
-                    break
-        return seen.decode(errors="replace")
-
-    assert "you>" in read_until("you>", 240)
-    os.write(fd, b"Compute 12*7.\n")
-    out = read_until("you>", 240)
-    assert "calculator result" in out and "84" in out, out[-2000:]
-    os.write(fd, b"\x04")  # Ctrl-D: end of input
-    _, status = os.waitpid(pid, 0)
-    os.close(fd)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+@pytest.mark.parametrize("leave", [b"\x04", b"\x03"], ids=["ctrl-d", "ctrl-c"])
+def test_interactive_chat_in_a_terminal(chat_model, leave):
+    pid, fd = spawn_chat("--model", chat_model, "--tools", "calculator", "--system", SYSTEM, "--engine", "hf")
+    try:
+        assert "you>" in read_until(fd, "you>")
+        os.write(fd, QUESTION.encode() + b"\n")
+        out = read_until(fd, "you>")
+        assert 'calculator({"expression": "12*7"})' in out and "calculator result" in out and "answer" in out, out[-3000:]
+        os.write(fd, leave)
+        read_until(fd, "\0", timeout=30)  # drain the terminal until chat.py closes it
+        assert exit_status(pid) == 0
+    finally:
+        os.close(fd)
 
 
 def run_chat(*args):
     return subprocess.run(CHAT + list(args), capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
-def test_bad_model_path_and_missing_index_are_refused(tmp_path):
-    proc = run_chat("--model", str(tmp_path / "nope"), "--question", "hi")
-    assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_chat("--model", str(tmp_path), "--index", str(tmp_path / "no_index"), "--question", "hi")
-    assert proc.returncode == 2 and "not a search index" in proc.stderr and "Traceback" not in proc.stderr
+def test_bad_model_paths_are_refused(tmp_path):
+    for model, message in [(tmp_path / "nope", "does not exist"), (tmp_path, "a folder without a model")]:
+        proc = run_chat("--model", str(model), "--question", "hi")
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and proc.stdout == ""
 
 
-def test_model_without_chat_template_is_refused(tiny_model_dir, tmp_path):
+def main_fails(argv, capsys):
+    """chat.main's exit status and its one line on stderr."""
+    with pytest.raises(SystemExit) as exit:
+        chat.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return exit.value.code, err
+
+
+def test_missing_index_is_refused(tiny_model_dir, tmp_path, capsys):
+    status, err = main_fails(["--model", tiny_model_dir, "--tools", "search", "--index", str(tmp_path / "no_index"), "--question", "hi"], capsys)
+    assert status == 2 and "no search index at" in err and "build_index.py" in err
+    # the default tools come from the config: a search task (the defaults) needs its data.index_dir
+    status, err = main_fails(["--model", tiny_model_dir, f"data.index_dir={tmp_path / 'no_index'}", "--question", "hi"], capsys)
+    assert status == 2 and "no search index at" in err
+
+
+def test_model_without_chat_template_is_refused(tiny_model_dir, tmp_path, capsys):
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(model)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = None
     for name in os.listdir(model):
-        if name.endswith(".jinja"):
+        if name.startswith("tokenizer") or name.endswith(".jinja"):
             os.remove(model / name)
-    config = model / "tokenizer_config.json"
-    data = json.loads(config.read_text())
-    data.pop("chat_template", None)
-    config.write_text(json.dumps(data))
-    proc = run_chat("--model", str(model), "--tools", "calculator", "--question", "hi")
-    assert proc.returncode == 2 and "no chat template" in proc.stderr and "Traceback" not in proc.stderr
+    tokenizer.save_pretrained(model)
+    status, err = main_fails(["--model", str(model), "--tools", "calculator", "--question", "hi"], capsys)
+    assert status == 2 and "no chat template" in err

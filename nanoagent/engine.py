@@ -6,8 +6,14 @@ Two implementations with one interface:
   torchrun), so the trainer can hand it new weights as tensors after every update, without
   writing a checkpoint or crossing a process boundary. On a GPU, sleep()/wake() give its memory
   (weights and KV cache) to training and take it back.
-- HFEngine: transformers' batched generate with a KV cache, for machines without vLLM (the GPU
-  box without a vLLM build, quick experiments). Same interface, slower.
+- HFEngine: a short decode loop of our own over a transformers model with a KV cache, batched
+  with left padding, for machines without vLLM (the GPU box without a vLLM build, quick
+  experiments). Same interface, slower. Not transformers' generate: that merges in the model's own
+  generation_config (Qwen2.5-Instruct ships a repetition penalty and top_k), so it would sample
+  from one distribution and report the logprobs of another, and returning logits to compute
+  logprobs afterwards keeps [B, V] fp32 per step (tens of GB at Qwen's vocabulary). The loop keeps
+  one logprob per sampled token. sleep() moves its weights to the CPU so that training does not
+  share the GPU with a second full copy of the model.
 
 Token-in/token-out matters: the ids the engine sampled are kept exactly, so the trainer scores
 the very tokens that were sampled (decode -> re-encode is lossy). Logprobs are those of the
@@ -115,7 +121,8 @@ class VLLMEngine:
 
 
 class HFEngine:
-    """transformers generate with a KV cache, batched with left padding. Holds its own weights."""
+    """Our own decode loop over a transformers causal LM with a KV cache, batched with left padding.
+    Holds its own copy of the weights, which sleep() moves to the CPU while the trainer updates."""
 
     def __init__(self, model_path, stop_ids, pad_id, dtype="bfloat16", device=None, seed=0):
         from transformers import AutoModelForCausalLM
@@ -127,33 +134,63 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts, sampling, max_new_tokens=None, seeds=None):
-        """As VLLMEngine.generate; transformers samples a batch from one generator, so the batch's
-        first seed seeds it."""
-        from transformers import GenerationConfig
+        """
+        As VLLMEngine.generate. Each step samples from softmax(logits / T), restricted to the top_p
+        nucleus when top_p < 1 (greedy: the argmax), and keeps the chosen token's logprob under
+        softmax(logits / T) in fp32 (greedy: T = 1), unfiltered: what the trainer recomputes. The
+        model's generation_config (repetition penalty, top_k, ...) plays no part. One generator
+        samples the whole batch: seeded by seeds[0] when seeds are given, else by the engine's
+        counter (seed, seed + 1, ... one per call); so, unlike vLLM's per-row seeds, a row's
+        sample depends on the batch it is in.
+        """
         budgets = max_new_tokens or [sampling.max_new_tokens] * len(prompts)
+        temperature = 1.0 if sampling.greedy else sampling.temperature
+        generator = torch.Generator(self.device)
+        if seeds:
+            generator.manual_seed(seeds[0])
+        else:
+            generator.manual_seed(self.generator_seed)
+            self.generator_seed += 1
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros_like(input_ids)
         for i, p in enumerate(prompts):
             input_ids[i, width - len(p):] = torch.tensor(p)
             attention_mask[i, width - len(p):] = 1
-        gen_config = GenerationConfig(
-            max_new_tokens=max(budgets), do_sample=not sampling.greedy, temperature=sampling.temperature if not sampling.greedy else None,
-            top_p=sampling.top_p if not sampling.greedy else None, top_k=0 if not sampling.greedy else None,
-            eos_token_id=self.stop_ids, pad_token_id=self.pad_id, return_dict_in_generate=True, output_logits=True)
-        if seeds:
-            torch.manual_seed(seeds[0])
-        else:
-            torch.manual_seed(self.generator_seed)
-            self.generator_seed += 1
-        out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), generation_config=gen_config)
-        new_ids = out.sequences[:, width:].cpu()                               # [B, S]
-        logits = torch.stack(out.logits, dim=1).float().cpu()                  # [B, S, V]
-        temperature = 1.0 if sampling.greedy else sampling.temperature
-        logprobs = torch.log_softmax(logits / temperature, -1).gather(-1, new_ids[..., None]).squeeze(-1)
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)  # [B, W]
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, W]: each row counts from its first token
+        stop_ids = torch.tensor(self.stop_ids, dtype=torch.long, device=self.device)
+        last_step = torch.tensor(budgets, device=self.device) - 1    # [B]
+        done = torch.zeros(len(prompts), dtype=torch.bool, device=self.device)
+        cache, new_ids, new_logprobs = None, [], []                   # per step: [B], [B]
+        for step in range(max(budgets)):
+            # The model makes a DynamicCache on the first call (the prompts); each later call feeds
+            # one token per row and the cache grows by one position. Only the last position's logits.
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values
+            logprobs = torch.log_softmax(out.logits[:, -1].float() / temperature, -1)   # [B, V]
+            if sampling.greedy:
+                next_ids = logprobs.argmax(-1)                                          # [B]
+            elif sampling.top_p < 1.0:
+                probs, order = logprobs.exp().sort(-1, descending=True)                 # [B, V]
+                probs = probs.masked_fill(probs.cumsum(-1) - probs >= sampling.top_p, 0.0)  # nucleus: mass before < top_p
+                next_ids = order.gather(-1, torch.multinomial(probs, 1, generator=generator)).squeeze(-1)
+            else:
+                next_ids = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+            new_ids.append(next_ids)
+            new_logprobs.append(logprobs.gather(-1, next_ids[:, None]).squeeze(-1))
+            # A finished row keeps decoding (its extra tokens are cut below) until every row is done.
+            done |= torch.isin(next_ids, stop_ids) | (step >= last_step)
+            if done.all():
+                break
+            input_ids = next_ids[:, None]                                               # [B, 1]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(prompts), 1)], -1)
+            position_ids = position_ids[:, -1:] + 1
+        new_ids = torch.stack(new_ids, 1).tolist()                                      # [B, S]
+        new_logprobs = torch.stack(new_logprobs, 1).tolist()                            # [B, S]
         gens = []
-        for i, budget in enumerate(budgets):
-            ids, lps = new_ids[i].tolist(), logprobs[i].tolist()
+        for ids, lps, budget in zip(new_ids, new_logprobs, budgets):
             end = next((t + 1 for t, tok in enumerate(ids[:budget]) if tok in self.stop_ids), None)
             if end is None:
                 gens.append(Generation(ids[:budget], lps[:budget], "length"))
@@ -163,6 +200,7 @@ class HFEngine:
 
     @torch.no_grad()
     def load_weights(self, named_tensors):
+        """Copy the trainer's tensors into the weights, wherever they are (asleep: the CPU)."""
         params = dict(self.model.named_parameters())
         for name, tensor in named_tensors:
             if name not in params:
@@ -172,10 +210,13 @@ class HFEngine:
             params[name].copy_(tensor.to(params[name].device, params[name].dtype))
 
     def sleep(self):
-        pass  # holds its own small copy; nothing to give back
+        """Give the device to training: the weights wait on the CPU (the KV cache only lives in generate)."""
+        self.model.to("cpu")
 
     def wake(self, tags=None):
-        pass
+        """Weights back on the device when tags is None or names "weights"; ["kv_cache"] alone has nothing to do."""
+        if tags is None or "weights" in tags:
+            self.model.to(self.device)
 
 
 def make_engine(kind, model_path, tokenizer, max_model_len, dtype="bfloat16", gpu_memory_utilization=0.5,

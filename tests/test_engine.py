@@ -37,7 +37,8 @@ def model_dir(tiny_model_dir, tmp_path_factory):
     vocab = model.config.vocab_size
     (path / "generation_config.json").write_text(json.dumps({
         "do_sample": True, "temperature": 0.3, "top_k": 3, "top_p": 0.5, "repetition_penalty": 3.0,
-        "suppress_tokens": list(range(8, vocab)), "eos_token_id": 2, "pad_token_id": 0,
+        "suppress_tokens": list(range(8, vocab)),
+        "eos_token_id": model.config.eos_token_id, "pad_token_id": model.config.pad_token_id,
     }))
     return str(path)
 

@@ -172,57 +172,61 @@ def truncated_is_weights(trainer_logprobs, rollout_logprobs, mask, cap=2.0):
 
 
 # -----------------------------------------------------------------------------
-# logprobs and entropy from logits, without a full-vocabulary fp32 copy
+# logprobs and entropy from logits, without a second tokens x vocabulary tensor
 
 class _LogprobEntropy(torch.autograd.Function):
     """
-    logprob of the label and entropy per row, from logits [N, V] in any dtype. Works on chunks of
-    rows in fp32 with two chunk-sized temporaries, so the peak extra memory is ~2 x chunk x V fp32,
-    not several N x V; the backward recomputes the softmax per chunk instead of saving it.
+    Logprob of the label and entropy of softmax(logits / temperature), per row of logits [N, V]
+    in any dtype. Works through the rows in chunks, in fp32, with two chunk-sized temporaries;
+    the backward recomputes the softmax per chunk instead of saving it, and writes the gradient
+    over the saved logits (nothing needs them after this backward), so no second [N, V] tensor
+    exists at any time: with Qwen's vocabulary a [16k, 151936] bf16 copy is 5 GB.
+    A gradient that does not reach an output (entropy, when it is only logged) is not computed.
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, chunk_size):
+    def forward(ctx, logits, labels, temperature, chunk_size):
         N = logits.shape[0]
         logprobs = logits.new_empty(N, dtype=torch.float32)
         entropy = logits.new_empty(N, dtype=torch.float32)
         lse = logits.new_empty(N, dtype=torch.float32)
         for s in range(0, N, chunk_size):
             sl = slice(s, s + chunk_size)
-            z = logits[sl].float()
+            z = logits[sl].to(torch.float32, copy=True).div_(temperature)  # [n, V]
             lse[sl] = torch.logsumexp(z, dim=-1)
             logprobs[sl] = z.gather(1, labels[sl, None]).squeeze(1) - lse[sl]
             p = (z - lse[sl, None]).exp_()
             entropy[sl] = lse[sl] - (p.unsqueeze(1) @ z.unsqueeze(2)).view(-1)  # H = lse - E_p[z]
         ctx.save_for_backward(logits, labels, lse, entropy)
-        ctx.chunk_size = chunk_size
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.set_materialize_grads(False)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         logits, labels, lse, entropy = ctx.saved_tensors
-        grad_logits = torch.empty_like(logits)
         for s in range(0, logits.shape[0], ctx.chunk_size):
             sl = slice(s, s + ctx.chunk_size)
-            z = logits[sl].to(torch.float32, copy=True)  # modified in place below
+            z = logits[sl].to(torch.float32, copy=True).div_(ctx.temperature)  # [n, V]
             p = (z - lse[sl, None]).exp_()
-            # d logp(y)/dz = onehot(y) - p ;  dH/dz = -p * (z - E_p[z]) with E_p[z] = lse - H
-            z.sub_((lse[sl] - entropy[sl])[:, None]).mul_(p).mul_(-grad_entropy[sl, None])
-            p.mul_(-grad_logprobs[sl, None]).add_(z)
-            p.scatter_add_(1, labels[sl, None], grad_logprobs[sl, None])
-            grad_logits[sl] = p.to(logits.dtype)
-        return grad_logits, None, None
+            # with z = logits / T: d logp(y)/dz = onehot(y) - p ;  dH/dz = -p * (z - E_p[z]), E_p[z] = lse - H
+            grad = z.zero_() if grad_entropy is None else z.sub_((lse[sl] - entropy[sl])[:, None]).mul_(p).mul_(-grad_entropy[sl, None])
+            if grad_logprobs is not None:
+                grad.sub_(p.mul_(grad_logprobs[sl, None])).scatter_add_(1, labels[sl, None], grad_logprobs[sl, None])
+            logits[sl] = grad.div_(ctx.temperature)
+        return logits, None, None, None
 
 
-def logprobs_and_entropy(logits, labels, chunk_size=None):
+def logprobs_and_entropy(logits, labels, temperature=1.0, chunk_size=None):
     """
-    Per-token logprob of `labels` and entropy of the distribution. logits: [..., V] (temperature
-    already applied), labels: [...] int. Returns two fp32 tensors of shape [...], differentiable.
-    chunk_size: rows per fp32 chunk; default ~64M elements (256 MiB fp32) per chunk.
+    Per-token logprob of `labels` and entropy of softmax(logits / temperature). logits: [..., V],
+    labels: [...] int. Returns two fp32 tensors of shape [...], differentiable. The logits are
+    consumed: the backward overwrites them with their gradient. chunk_size: rows per fp32 chunk;
+    default ~32M elements (128 MiB in fp32) per chunk.
     """
     shape, V = labels.shape, logits.shape[-1]
-    chunk_size = chunk_size or max(1, 2 ** 26 // V)
-    logprobs, entropy = _LogprobEntropy.apply(logits.reshape(-1, V), labels.reshape(-1), chunk_size)
+    chunk_size = chunk_size or max(1, 2 ** 25 // V)
+    logprobs, entropy = _LogprobEntropy.apply(logits.reshape(-1, V), labels.reshape(-1), temperature, chunk_size)
     return logprobs.view(shape), entropy.view(shape)
 
 

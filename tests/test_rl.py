@@ -202,19 +202,27 @@ def test_masked_mean_var_whiten():
 
 # ----------------------------------------------------------------------------- logprobs and entropy
 
+def logprobs_entropy_grad(logits, labels, w_lp, w_h, temperature, chunk_size):
+    """(logprobs, entropy, d(sum w_lp*lp + w_h*h)/dlogits) from a fresh copy of the logits (the
+    function consumes its input: the backward writes the gradient over it)."""
+    x = logits.detach().clone().requires_grad_(True)
+    lp, h = rl.logprobs_and_entropy(x, labels, temperature, chunk_size)
+    loss = (lp * w_lp).sum() + (0 if w_h is None else (h * w_h).sum())
+    (grad,) = torch.autograd.grad(loss, x)
+    return lp.detach(), h.detach(), grad
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_logprobs_and_entropy_match_autograd_reference(dtype):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_and_entropy_match_autograd_reference(dtype, temperature):
     g = torch.Generator().manual_seed(2)
-    logits = (torch.randn(2, 7, 50, generator=g) * 3).to(dtype).requires_grad_(True)
+    logits = (torch.randn(2, 7, 50, generator=g) * 3).to(dtype)
     labels = torch.randint(0, 50, (2, 7), generator=g)
     w_lp, w_h = torch.randn(2, 7, generator=g), torch.randn(2, 7, generator=g)
-    before = logits.detach().clone()
-    lp, h = rl.logprobs_and_entropy(logits, labels, chunk_size=3)  # chunks that do not divide N
-    (grad,) = torch.autograd.grad((lp * w_lp + h * w_h).sum(), logits)
-    assert torch.equal(logits.detach(), before)  # the backward works on copies, never on the logits
+    lp, h, grad = logprobs_entropy_grad(logits, labels, w_lp, w_h, temperature, chunk_size=3)  # chunks that do not divide N
 
-    ref_logits = logits.detach().float().requires_grad_(True)
-    logp_all = torch.log_softmax(ref_logits, -1)
+    ref_logits = logits.float().requires_grad_(True)
+    logp_all = torch.log_softmax(ref_logits / temperature, -1)
     ref_lp = logp_all.gather(-1, labels[..., None]).squeeze(-1)
     ref_h = -(logp_all.exp() * logp_all).sum(-1)
     (ref_grad,) = torch.autograd.grad((ref_lp * w_lp + ref_h * w_h).sum(), ref_logits)
@@ -223,6 +231,33 @@ def test_logprobs_and_entropy_match_autograd_reference(dtype):
     torch.testing.assert_close(h, ref_h, atol=1e-5, rtol=1e-5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(grad.float(), ref_grad, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprobs_and_entropy_chunks_change_nothing(dtype):
+    """Chunking is a memory device only: any chunk size gives bit-identical values and gradients."""
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(37, 300, generator=g) * 2).to(dtype)
+    labels = torch.randint(0, 300, (37,), generator=g)
+    w_lp, w_h = torch.randn(37, generator=g), torch.randn(37, generator=g)
+    whole = logprobs_entropy_grad(logits, labels, w_lp, w_h, 0.8, chunk_size=37)
+    for chunk_size in (1, 5, 16):
+        for a, b in zip(logprobs_entropy_grad(logits, labels, w_lp, w_h, 0.8, chunk_size), whole):
+            assert torch.equal(a, b), chunk_size
+
+
+def test_entropy_gradient_only_when_used():
+    """Without an entropy term in the loss (no gradient reaches the entropy output, and its
+    backward is skipped), the gradient is that of the logprobs alone."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 40, generator=g)
+    labels = torch.randint(0, 40, (6,), generator=g)
+    w_lp = torch.randn(6, generator=g)
+    _, _, grad = logprobs_entropy_grad(logits, labels, w_lp, None, 1.0, chunk_size=4)
+    ref_logits = logits.clone().requires_grad_(True)
+    ref_lp = torch.log_softmax(ref_logits, -1).gather(-1, labels[:, None]).squeeze(-1)
+    (ref_grad,) = torch.autograd.grad((ref_lp * w_lp).sum(), ref_logits)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- aggregation

@@ -23,10 +23,20 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
+def process_group_backend(device):
+    """
+    The one place that decides where collectives run. FSDP's collectives move GPU tensors (NCCL
+    on a GPU); everything else that crosses ranks (metrics, loss denominators, flags, the
+    micro-batch count) is a few CPU numbers, which gloo serves on every machine. So a GPU run
+    gets both backends, each tensor going to the one of its device.
+    """
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
 def init_distributed():
     """
     One process per GPU (or CPU rank) under torchrun; a plain `python train.py` is a world of one.
-    NCCL on GPUs, gloo on the CPU. Returns (rank, world_size, device).
+    Returns (rank, world_size, device).
     """
     if "RANK" not in os.environ:  # not launched by torchrun
         with socket.socket() as s:
@@ -37,11 +47,25 @@ def init_distributed():
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group(process_group_backend(device), device_id=device)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group(process_group_backend(device))
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def all_reduce(values, op="sum"):
+    """A list of Python numbers summed (op="sum") or maxed (op="max") over ranks. Always a CPU
+    tensor in float64: gloo carries it on a GPU machine too (process_group_backend)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def reduce_metrics(sums, maxes):
+    """The step's metrics over all ranks, in one place: each value of `sums` is this rank's share
+    of a total (added over ranks), each value of `maxes` is maxed over ranks."""
+    return {**dict(zip(sums, all_reduce(list(sums.values())))), **dict(zip(maxes, all_reduce(list(maxes.values()), "max")))}
 
 
 def seed_everything(seed):
@@ -74,7 +98,9 @@ class MetricsLog:
 
 
 def resolve_model(name):
-    """A model path for transformers and vLLM: 'tiny' builds (once, cached) the tiny test model."""
+    """A model path for transformers and vLLM: 'tiny' builds (once, cached) the tiny test model.
+    Call it before the process group exists: under one, transformers' save_pretrained writes
+    weights on rank 0 only, and another rank's build would lack them."""
     if name == "tiny":
         from nanoagent.tiny import ensure_tiny_model
         return ensure_tiny_model()

@@ -41,6 +41,12 @@ class SamplingConfig:
     greedy: bool = False
 
 
+def pad_token_id(tokenizer):
+    """The id rows are padded with (padding is always masked out): the pad token, else EOS, which
+    tokenizers without a pad token (many base models) still have."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def stop_token_ids(tokenizer, stop_tags=("</tool_call>",)):
     """EOS plus every stop tag that is a single token (the tiny and Qwen2.5 tokenizers: all of them)."""
     ids = {tokenizer.eos_token_id}
@@ -233,5 +239,5 @@ def make_engine(kind, model_path, tokenizer, max_model_len, dtype="bfloat16", gp
             raise RuntimeError("rollout.engine=vllm but vLLM is not installed here; use rollout.engine=hf")
         return VLLMEngine(model_path, stop_ids, max_model_len, dtype, gpu_memory_utilization, tensor_parallel_size, seed)
     if kind == "hf":
-        return HFEngine(model_path, stop_ids, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id, dtype, seed=seed)
+        return HFEngine(model_path, stop_ids, pad_token_id(tokenizer), dtype, seed=seed)
     raise ValueError(f"unknown engine {kind!r}; valid: auto, vllm, hf")

@@ -1,9 +1,23 @@
 """
-The trainer's models and their forward passes over trajectories.
+The trainer's models, how they are loaded and sharded, and their forward passes over trajectories.
 
 - policy: a Hugging Face causal LM; its per-token logprobs (and entropy) are recomputed here for
   the sampled tokens, at the rollout temperature.
 - critic: the same pretrained backbone plus a scalar value head, with its own weights.
+- reference: a frozen copy of the initial policy, in the compute dtype (only with a KL term).
+
+Loading at scale: a 7B model in fp32 is 30 GB, and eight ranks each building one on the host
+before sharding is 240 GB per model. So every model is built on the meta device, sharded with
+FSDP2, allocated shard by shard on its device, and filled by broadcast from rank 0, the only rank
+that reads the checkpoint (in the dtype it is stored in).
+
+Precision: the policy and critic keep fp32 master weights and optimizer state; with
+train.dtype=bfloat16, FSDP2 all-gathers the parameters in bf16 and computes in bf16, and reduces
+gradients in fp32. This is the same on a CPU (gloo) as on a GPU (NCCL). The critic's value head
+stays fp32: its output is regressed onto returns of order 1.
+
+The trainer runs the models in train mode (transformers checkpoints activations only in train
+mode) with dropout off, so train mode computes what eval mode does, and without a KV cache.
 
 Alignment, the one thing to get right: in a row `ids[0..L)`, the logprob, entropy and value of
 token t come from the hidden state at position t-1 (the state in which token t was chosen), and
@@ -16,13 +30,18 @@ and little is spent on padding.
 """
 
 import torch
+import torch.distributed as dist
+from accelerate import init_empty_weights
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from nanoagent.rl import logprobs_and_entropy
 
 
 def load_causal_lm(path, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM
+    """A whole model in one process (tests, tools); the trainer uses build_* below."""
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 
@@ -38,9 +57,107 @@ class Critic(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     def forward(self, input_ids, attention_mask):
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, L, H]
-        return self.value_head(hidden.float()).squeeze(-1)                                              # [B, L]
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state  # [B, L, H]
+        values = self.value_head(hidden.float().flatten(0, 1))                                                         # [B*L, 1] fp32
+        # FSDP2 hooks the backward onto a module's output, which must not be a view of another tensor
+        return values.view(hidden.shape[:2]).clone()                                                                   # [B, L]
 
+
+# -----------------------------------------------------------------------------
+# loading and sharding
+
+def training_config(path):
+    """The model's config with dropout off: the trainer runs in train mode, and old, new and
+    reference logprobs must all be the same deterministic function of the weights."""
+    config = AutoConfig.from_pretrained(path)
+    for key, value in config.to_dict().items():
+        if isinstance(value, float) and ("dropout" in key or key.endswith("pdrop")):
+            setattr(config, key, 0.0)
+    return config
+
+
+def read_weights(path):
+    """The checkpoint's tensors, read on rank 0 only, in the dtype they are stored in (bf16 for
+    Qwen2.5); the other ranks get {} and receive their shards by broadcast."""
+    if dist.get_rank() != 0:
+        return {}
+    return AutoModelForCausalLM.from_pretrained(path, dtype="auto").state_dict()
+
+
+def decoder_layers(model):
+    """The list of transformer blocks of a Hugging Face causal LM or of a Critic."""
+    backbone = model.backbone if isinstance(model, Critic) else model.model
+    return backbone.layers
+
+
+def shard(model, compute_dtype=torch.float32, activation_checkpointing=False):
+    """
+    FSDP2: shard each decoder layer and the root over the default process group (parameters,
+    gradients and, once the optimizer is built on the sharded parameters, optimizer state).
+    Parameters are all-gathered and computed in compute_dtype, gradients reduced in fp32.
+    FSDP averages the ranks' gradients; rl.aggregate_loss gives each rank its share of a global
+    mean, whose gradients must be summed: scale the loss by the world size before backward
+    (gloo has no pre-multiplied sum, so the divide factor of FSDP cannot be set to 1 on the CPU).
+    Returns the model in train mode.
+    """
+    if activation_checkpointing:  # recompute each layer's activations in the backward pass (non-reentrant)
+        (model.backbone if isinstance(model, Critic) else model).gradient_checkpointing_enable()
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mp_policy=mp)
+    if isinstance(model, Critic):
+        fully_shard(model.value_head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))
+    fully_shard(model, mp_policy=mp)
+    return model.train()
+
+
+def empty_lm(config, dtype):
+    """The LM's structure with its parameters on the meta device (no memory) and its buffers, such
+    as the rotary frequencies that checkpoints do not hold, computed for real."""
+    with init_empty_weights():
+        lm = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    lm.tie_weights()  # init_empty_weights unties the embedding and the LM head; the config says whether they are one
+    return lm
+
+
+def build_sharded(model, weights, device, compute_dtype, activation_checkpointing=False):
+    """
+    An empty model (meta parameters, real buffers) sharded, allocated on the device shard by shard,
+    and filled from rank 0's `weights` (a full state dict; {} on the other ranks) by broadcast.
+    """
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    shard(model, compute_dtype, activation_checkpointing)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+    # a copy: set_model_state_dict puts this model's shards into the dict it is given
+    set_model_state_dict(model, dict(weights), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return model
+
+
+def build_policy(config, weights, device, compute_dtype, activation_checkpointing):
+    """The policy: fp32 master weights, computed in compute_dtype."""
+    return build_sharded(empty_lm(config, torch.float32), weights, device, compute_dtype, activation_checkpointing)
+
+
+def build_critic(config, weights, device, compute_dtype, activation_checkpointing):
+    """The critic: the LM's backbone weights (`model.*` -> `backbone.*`) and a zero value head."""
+    critic = Critic(empty_lm(config, torch.float32))
+    if weights:  # rank 0
+        weights = {"backbone." + k[len("model."):]: v for k, v in weights.items() if k.startswith("model.")}
+        weights.update({f"value_head.{k}": v for k, v in critic.value_head.state_dict().items()})
+    return build_sharded(critic, weights, device, compute_dtype, activation_checkpointing)
+
+
+def build_reference(config, weights, device, compute_dtype):
+    """The frozen reference policy, stored in the compute dtype: it is never updated, so it needs
+    no fp32 master copy."""
+    return build_sharded(empty_lm(config, compute_dtype), weights, device, compute_dtype).requires_grad_(False)
+
+
+# -----------------------------------------------------------------------------
+# forward passes over trajectories
 
 def micro_batches(lengths, token_budget):
     """
@@ -74,41 +191,17 @@ def policy_forward(model, input_ids, attention_mask, temperature=1.0):
     """
     Per-token logprobs and entropy of a micro-batch. input_ids, attention_mask: [B, L].
     Returns (logprobs, entropy), both [B, L] fp32, aligned with the ids (index 0 is 0).
+    The logits are used whole (a slice or a division would copy all B x L x V of them) and
+    consumed by logprobs_and_entropy; the shift that aligns them is done on the [B, L] results.
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # [B, L-1, V]
-    if temperature != 1.0:
-        logits = logits / temperature
-    logprobs, entropy = logprobs_and_entropy(logits, input_ids[:, 1:])                 # [B, L-1]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, L, V]
+    next_ids = input_ids.roll(-1, dims=1)  # position t predicts token t+1; the last position's label is unused
+    logprobs, entropy = logprobs_and_entropy(logits, next_ids, temperature)                      # [B, L]
     pad = logprobs.new_zeros(logprobs.shape[0], 1)
-    return torch.cat([pad, logprobs], 1), torch.cat([pad, entropy], 1)
+    return torch.cat([pad, logprobs[:, :-1]], 1), torch.cat([pad, entropy[:, :-1]], 1)
 
 
 def critic_forward(critic, input_ids, attention_mask):
     """Per-token values of a micro-batch, [B, L] fp32, aligned like policy_forward (index 0 is 0)."""
     values = critic(input_ids, attention_mask)[:, :-1]                                  # [B, L-1]
     return torch.cat([values.new_zeros(values.shape[0], 1), values], 1)
-
-
-def decoder_layers(model):
-    """The list of transformer blocks of a Hugging Face causal LM or of a Critic."""
-    backbone = model.backbone if isinstance(model, Critic) else model.model
-    return backbone.layers
-
-
-def shard(model, bf16=False, activation_checkpointing=False):
-    """
-    FSDP2: shard each decoder layer and the root over the default process group (parameters,
-    gradients and, once the optimizer is built on the sharded parameters, optimizer state).
-    bf16: compute in bf16 with fp32 gradient reduction (GPU); otherwise everything in fp32.
-    FSDP averages the ranks' gradients; rl.aggregate_loss gives each rank its share of a global
-    mean, whose gradients must be summed: scale the loss by the world size before backward
-    (gloo has no pre-multiplied sum, so the divide factor of FSDP cannot be set to 1 on the CPU).
-    """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    if activation_checkpointing:
-        (model.backbone if isinstance(model, Critic) else model).gradient_checkpointing_enable()
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-    for layer in decoder_layers(model):
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    return model

@@ -139,6 +139,9 @@ def ensure_tiny_model(cache_dir=None, seed=0):
     tmp = tempfile.mkdtemp(prefix=".tiny-", dir=cache_dir)
     try:
         build_tiny_model(tmp, seed=seed)
+        if not os.path.exists(os.path.join(tmp, "model.safetensors")):
+            raise RuntimeError("the tiny model was written without its weights: under a process group transformers "
+                               "writes them on rank 0 only; build it before torch.distributed is initialised")
         os.rename(tmp, path)
     except OSError:
         if not os.path.exists(os.path.join(path, "nanoagent_tiny.json")):

@@ -8,7 +8,7 @@ VARIANT := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 
 DEMO   := out/demo
 
-.PHONY: install test test-fast demo speedrun clean
+.PHONY: install test test-fast test-gpu demo speedrun clean
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ test:
 
 test-fast:
 	$(PY) -m pytest -q -m "not slow"
+
+# On a GPU machine: one PPO and one GRPO step at Qwen2.5-1.5B's shape (FSDP2 + NCCL + bf16), the update bench
+test-gpu:
+	$(PY) -m pytest -q -s -m gpu
 
 # The whole loop offline on a CPU: synthetic world -> MiniLM index -> tiny model -> warm start -> RL
 # -> evaluation -> $(DEMO)/run/report.md

@@ -58,7 +58,7 @@ def update_only(micro_tokens=16384, seq_len=2048, steps=5):
     with torch.device(device):
         model = Qwen2ForCausalLM(config)
     n_params = sum(p.numel() for p in model.parameters())
-    model = shard(model, bf16=True, activation_checkpointing=True)
+    model = shard(model, torch.bfloat16, activation_checkpointing=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     rows = micro_tokens // seq_len
     ids = torch.randint(0, config.vocab_size, (rows, seq_len), device=device)
@@ -77,10 +77,14 @@ def update_only(micro_tokens=16384, seq_len=2048, steps=5):
         if step:
             times.append(time.perf_counter() - t)
     sec = statistics.median(times)
+    state_bytes = sum(p.to_local().numel() * p.element_size() * 4 for p in model.parameters())  # fp32 weight, grad, Adam m and v
     tps = rows * seq_len / sec
-    print(f"update, Qwen2.5-1.5B shape ({n_params / 1e9:.2f}B params), {rows}x{seq_len} tokens per step, bf16 + activation "
-          f"checkpointing: {sec:.3f}s/step, {tps:,.0f} tokens/s per GPU, MFU {6 * n_params * tps / 989e12:.1%} "
-          f"(without the recompute), peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    peak = torch.cuda.max_memory_allocated()
+    print(f"update, Qwen2.5-1.5B shape ({n_params / 1e9:.2f}B params), {rows}x{seq_len} tokens per step, {world} GPU(s), bf16 + "
+          f"activation checkpointing: {sec:.3f}s/step, {tps:,.0f} tokens/s per GPU, MFU {6 * n_params * tps / 989e12:.1%} "
+          f"(6 x params x tokens/s over the H100 SXM dense bf16 peak of 989 TFLOP/s, the recompute not counted), "
+          f"peak memory {peak / 2**30:.1f} GiB ({(peak - state_bytes) / (rows * seq_len) / 2**10:.0f} KiB per micro-batch token "
+          f"beyond the {state_bytes / 2**30:.1f} GiB of weights, gradients and optimizer state)")
     dist.destroy_process_group()
 
 

@@ -28,7 +28,8 @@ class DataConfig:
     train_path: str = opt("data/hotpotqa/train.parquet", "training prompts (parquet from prepare_data.py)")
     val_path: str = opt("data/hotpotqa/val.parquet", "held-out prompts for evaluation")
     index_dir: str = opt("data/hotpotqa/index", "search index from build_index.py")
-    max_prompt_tokens: int = opt(1024, "prompts longer than this are refused when the data is loaded")
+    max_prompt_tokens: int = opt(1024, "longest prompt (tokens, chat template and tool schemas included); checked when the data is loaded")
+    bad_prompts: Literal["refuse", "drop"] = opt("refuse", "prompts that cannot be trained on (longer than data.max_prompt_tokens): refuse the file, or drop them and say how many")
     shuffle: bool = opt(True, "shuffle the training prompts every epoch (seeded)")
     num_train: int = opt(2048, "arithmetic: generated training prompts")
     num_val: int = opt(64, "arithmetic: generated held-out prompts")
@@ -49,7 +50,7 @@ class RolloutConfig:
     search_top_k: int = opt(3, "passages returned by one search call")
     dtype: Literal["bfloat16", "float16", "float32"] = opt("bfloat16", "engine weights and activations")
     gpu_memory_utilization: float = opt(0.5, "share of GPU memory vLLM may take (weights + KV cache)")
-    tensor_parallel_size: int = opt(1, "vLLM tensor parallelism within a rank group")
+    tensor_parallel_size: int = opt(1, "vLLM tensor parallelism for rollout.py and chat.py (one process, several GPUs); train.py takes 1 only")
 
 
 @dataclass
@@ -81,18 +82,17 @@ class TrainConfig:
     grad_clip: float = opt(1.0, "max gradient norm")
     micro_batch_tokens: int = opt(16384, "token budget of one forward/backward micro-batch per rank")
     loss_agg: Literal["token_mean", "seq_mean"] = opt("token_mean", "how per-token losses become one scalar")
-    kl_mode: Literal["none", "reward", "loss"] = opt("none", "KL to the reference: none, k1 in the reward, or k3 as a loss")
+    kl_mode: Literal["none", "reward", "loss"] = opt("none", "KL to the reference: none, k1 in the reward (ppo), or k3 in the loss (grpo, or ppo)")
     kl_coef: float = opt(0.001, "KL coefficient")
     entropy_coef: float = opt(0.0, "entropy bonus coefficient")
     tis: bool = opt(False, "truncated importance sampling for engine-vs-trainer logprob mismatch")
     tis_cap: float = opt(2.0, "cap of the importance weights")
-    dtype: Literal["bfloat16", "float32"] = opt("bfloat16", "parameter dtype for compute (fp32 reductions)")
+    dtype: Literal["bfloat16", "float32"] = opt("bfloat16", "compute dtype of policy, critic and reference (fp32 master weights and gradient reduction); the same on CPU and GPU")
     activation_checkpointing: bool = opt(True, "recompute activations in the backward pass")
     save_every: int = opt(50, "checkpoint every N steps (0: only at the end and on SIGTERM)")
     tool_call_reward: float = opt(0.0, "process reward on the last token of each turn whose tool calls all succeeded")
     warm_start_steps: int = opt(0, "imitation steps on the task's scripted demonstrations before RL (0: none)")
     warm_start_lr: float = opt(1e-3, "learning rate of the imitation warm start")
-    debug_nan_step: int = opt(-1, "testing: make the policy loss NaN at this step (-1: never)")
 
 
 @dataclass
@@ -283,6 +283,10 @@ def validate(cfg):
     need(cfg.train.grad_clip > 0, "train.grad_clip must be > 0")
     need(cfg.train.tis_cap >= 1, "train.tis_cap must be >= 1")
     need(cfg.resume in ("auto", "never"), f"resume={cfg.resume!r}: valid: auto, never")
+    need(not (cfg.algo == "grpo" and cfg.train.kl_mode == "reward"),
+         "algo=grpo with train.kl_mode=reward: GRPO divides each group's scores by their std, so in a group whose outcome "
+         "rewards are all equal the KL penalty's noise alone would become advantages of order 1; use train.kl_mode=loss "
+         "(k3 in the loss, as GRPO does) or none")
     need((cfg.rollout.prompts_per_step * cfg.rollout.group_size) % cfg.ppo.mini_batch_size == 0,
          f"rollout.prompts_per_step x rollout.group_size ({cfg.rollout.prompts_per_step * cfg.rollout.group_size}) "
          f"must be a multiple of ppo.mini_batch_size ({cfg.ppo.mini_batch_size})")

@@ -8,6 +8,8 @@ import json
 import os
 import random
 
+from nanoagent.common import print0
+
 REQUIRED = ("id", "messages")
 
 
@@ -31,6 +33,27 @@ def load_prompts(path, limit=0):
             row["messages"] = json.loads(row["messages"])
         row["answers"] = list(row.get("answers") or [])
     return rows[:limit] if limit else rows
+
+
+def fit_prompts(rows, lengths, max_tokens, bad_prompts, source):
+    """
+    The rows a run can train on: prompts of at most max_tokens tokens (lengths: each row's prompt,
+    chat template and tool schemas included). Longer ones are refused with their count and first
+    ids (bad_prompts="refuse"), or dropped and counted ("drop"). Every rank checks the same rows
+    when the data is loaded, before any collective, so no rank fails alone mid-run while the
+    others wait for it.
+    """
+    over = [row["id"] for row, n in zip(rows, lengths) if n > max_tokens]
+    if over and bad_prompts == "refuse":
+        raise ValueError(f"{source}: {len(over)} of {len(rows)} prompts are longer than data.max_prompt_tokens={max_tokens} "
+                         f"(first: {', '.join(map(str, over[:3]))}); raise data.max_prompt_tokens or set data.bad_prompts=drop")
+    kept = [row for row, n in zip(rows, lengths) if n <= max_tokens]
+    if over:
+        print0(f"{source}: dropped {len(over)} of {len(rows)} prompts longer than data.max_prompt_tokens={max_tokens} "
+               f"(first: {', '.join(map(str, over[:3]))})")
+    if not kept:
+        raise ValueError(f"{source}: no prompts to train on")
+    return kept
 
 
 # -----------------------------------------------------------------------------

@@ -174,6 +174,11 @@ class ToolEnv:
     def prompt_ids(self, messages):
         return self.tokenizer.encode(self.render(messages, add_generation_prompt=True), add_special_tokens=False)
 
+    def prompt_lengths(self, conversations):
+        """len(prompt_ids(m)) for many conversations, with one batched encode (a prompt file at once)."""
+        texts = [self.render(m, add_generation_prompt=True) for m in conversations]
+        return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
     def observation_ids(self, messages, content, tool_results, ended_with_eos=False):
         """
         The ids the environment appends after an assistant turn whose text is `content` (the

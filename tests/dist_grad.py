@@ -1,8 +1,8 @@
 """
 Run under torchrun (gloo): the gradient of one PPO update of the trainer (train.update_policy) on a
 fixed batch, with FSDP2 over WORLD_SIZE ranks and micro-batches under `--micro-tokens`; rank 0
-saves the full gradient. tests/test_distributed.py compares it with grad_of, a plain
-single-process computation of the same loss.
+saves the full gradient and the logged metrics. tests/test_distributed.py compares them with
+grad_of, a plain single-process computation of the same loss.
 """
 
 import argparse
@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from nanoagent import rl
+from nanoagent.common import reduce_metrics
 from nanoagent.model import load_causal_lm, pad_rows, policy_forward, shard
 
 
@@ -26,7 +27,9 @@ def batch(vocab, n=8, seed=0):
 
 
 def grad_of(model, rows, masks, advantages, indices, micro, global_tokens):
-    """Reference: the token-mean PPO loss written out directly, unsharded, in micro-batches of rows."""
+    """Reference: the token-mean PPO loss written out directly, unsharded, in micro-batches of rows.
+    Accumulates the gradient into the model and returns the loss."""
+    total = 0.0
     for s in range(0, len(indices), micro):
         idx = indices[s:s + micro]
         ids = pad_rows([rows[i] for i in idx], 0)
@@ -35,7 +38,10 @@ def grad_of(model, rows, masks, advantages, indices, micro, global_tokens):
         adv = pad_rows([advantages[i] for i in idx], 0.0, torch.float32)
         logprobs, _ = policy_forward(model, ids, attn)
         loss, _ = rl.ppo_policy_loss(logprobs, logprobs.detach() - 0.1, adv, mask)
-        rl.aggregate_loss(loss, mask, "token_mean", global_tokens, None).backward()
+        loss = rl.aggregate_loss(loss, mask, "token_mean", global_tokens, None)
+        loss.backward()
+        total += loss.item()
+    return total
 
 
 def main():
@@ -63,10 +69,11 @@ def main():
     before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
-    train.update_policy(model, optimizer, scheduler, data, list(range(rank, len(rows), world)), cfg, world, torch.device("cpu"))
+    shares, _ = train.update_policy(model, optimizer, scheduler, data, list(range(rank, len(rows), world)), cfg, world, torch.device("cpu"))
     grads = {n: before[n] - p.full_tensor() for n, p in model.named_parameters()}
+    metrics = reduce_metrics(shares, {})  # what train.py logs
     if rank == 0:
-        torch.save(grads, args.out)
+        torch.save({"grads": grads, "metrics": metrics}, args.out)
     dist.barrier()
     dist.destroy_process_group()
 

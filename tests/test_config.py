@@ -31,6 +31,8 @@ def test_defaults_presets_and_overrides():
     ("train.lr=fast", "train.lr='fast': expected float"),
     ("train.tis=maybe", "train.tis='maybe': expected a bool"),
     ("rollout.group_size=1", "algo=grpo needs rollout.group_size >= 2"),
+    ("train.kl_mode=reward", "algo=grpo with train.kl_mode=reward: GRPO divides each group's scores by their std"),
+    ("data.bad_prompts=skip", "valid: refuse, drop"),
     ("steps", "expected key=value"),
 ])
 def test_bad_overrides_are_refused_with_the_key(override, message):
@@ -55,3 +57,5 @@ def test_train_cli_prints_saves_and_refuses(tmp_path):
     assert out.returncode == 0 and "rollout.max_turns" in out.stdout and "tiny" in out.stdout
     bad = subprocess.run([sys.executable, "train.py", "--config=tiny", "rollout.max_turn=4"], capture_output=True, text=True)
     assert bad.returncode == 2 and "rollout.max_turns" in bad.stderr
+    tp = subprocess.run([sys.executable, "train.py", "--config=tiny", "rollout.tensor_parallel_size=2"], capture_output=True, text=True)
+    assert tp.returncode == 2 and "train.py takes 1 only" in tp.stderr

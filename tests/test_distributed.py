@@ -1,5 +1,5 @@
-"""The trainer's update under real torchrun with gloo and FSDP2: the gradient does not depend on
-the number of ranks or the micro-batch size."""
+"""The trainer's update under real torchrun with gloo and FSDP2: the gradient and the logged loss
+do not depend on the number of ranks or the micro-batch size."""
 
 import os
 import socket
@@ -34,11 +34,13 @@ def torchrun_grad(model_dir, nproc, micro_tokens, out):
 def test_fsdp2_gradient_matches_single_process(tiny_model_dir, tmp_path):
     model = load_causal_lm(tiny_model_dir)
     rows, masks, advantages = batch(model.config.vocab_size)
-    grad_of(model, rows, masks, advantages, list(range(len(rows))), 8, sum(sum(m) for m in masks))
+    loss = grad_of(model, rows, masks, advantages, list(range(len(rows))), 8, sum(sum(m) for m in masks))
     reference = {n: p.grad for n, p in model.named_parameters()}
     # small token budgets give the ranks different numbers of micro-batches
     for nproc, micro_tokens in [(1, 10_000), (2, 25), (2, 60)]:
-        grads = torchrun_grad(tiny_model_dir, nproc, micro_tokens, tmp_path / f"g{nproc}_{micro_tokens}.pt")
-        assert grads.keys() == reference.keys()
-        for name, g in grads.items():
+        out = torchrun_grad(tiny_model_dir, nproc, micro_tokens, tmp_path / f"g{nproc}_{micro_tokens}.pt")
+        assert out["grads"].keys() == reference.keys()
+        for name, g in out["grads"].items():
             torch.testing.assert_close(g, reference[name], atol=2e-6, rtol=1e-4, msg=f"{name} nproc={nproc} micro_tokens={micro_tokens}")
+        # the logged loss is the global loss, not one rank's share of it
+        assert out["metrics"]["pg_loss"] == pytest.approx(loss, rel=1e-5), (nproc, micro_tokens)

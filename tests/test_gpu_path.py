@@ -1,0 +1,195 @@
+"""
+The code a GPU run takes, run on the CPU: where collectives go, how models are loaded and
+sharded, bf16 mixed precision, activation checkpointing without a KV cache, prompts checked when
+they are loaded, and the data order. (PPO and GRPO steps in bf16 under torchrun: test_train.py.)
+"""
+
+import os
+import random
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
+import train
+from nanoagent import common
+from nanoagent.agent import scripted_trajectory
+from nanoagent.config import make_config
+from nanoagent.data import fit_prompts
+from nanoagent.engine import pad_token_id
+from nanoagent.model import (build_critic, build_policy, build_reference, critic_forward, decoder_layers, load_causal_lm, policy_forward,
+                             read_weights, shard, training_config)
+from nanoagent.tools import ToolEnv, calculator_tool
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU = torch.device("cpu")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """A world of one (gloo) in this process: FSDP2 and the loaders need a process group."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_gpu_run_gives_cpu_tensors_a_backend(monkeypatch):
+    """NCCL carries only CUDA tensors; the trainer's metrics, denominators and flags are CPU
+    tensors, so a GPU process group must also have gloo for them."""
+    assert common.process_group_backend(CPU) == "gloo"
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: calls.append((backend, kwargs)))
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    _, _, device = common.init_distributed()
+    [(backend, kwargs)] = calls
+    assert device.type == "cuda" and kwargs["device_id"] == device
+    assert sorted(backend.split(",")) == ["cpu:gloo", "cuda:nccl"]
+
+
+def test_built_models_hold_the_checkpoint(process_group, tiny_model_dir):
+    """Built on the meta device and filled from rank 0's copy: the same weights, rotary buffers
+    and tied embedding as a plain from_pretrained; the reference in the compute dtype; the
+    critic's backbone from the checkpoint and its value head zero, in fp32."""
+    config, weights = training_config(tiny_model_dir), read_weights(tiny_model_dir)
+    plain = load_causal_lm(tiny_model_dir)
+    policy = build_policy(config, weights, CPU, torch.float32, activation_checkpointing=False)
+    assert policy.lm_head.weight is policy.model.embed_tokens.weight
+    for (name, p), (plain_name, q) in zip(policy.named_parameters(), plain.named_parameters(), strict=True):
+        assert name == plain_name and p.dtype == torch.float32 and torch.equal(p.full_tensor(), q), name
+    for (name, b), (_, c) in zip(policy.named_buffers(), plain.named_buffers(), strict=True):
+        assert torch.equal(b, c), name
+    ref = build_reference(config, weights, CPU, torch.bfloat16)
+    for (name, p), (_, q) in zip(ref.named_parameters(), plain.named_parameters(), strict=True):
+        assert p.dtype == torch.bfloat16 and not p.requires_grad and torch.equal(p.full_tensor(), q.bfloat16()), name
+    critic = build_critic(config, weights, CPU, torch.bfloat16, activation_checkpointing=False)
+    for name, p in critic.backbone.named_parameters():
+        assert torch.equal(p.full_tensor(), plain.model.get_parameter(name)), name
+    assert critic.value_head.weight.dtype == torch.float32 and critic.value_head.weight.full_tensor().abs().sum() == 0
+
+
+def test_bf16_critic_forward_and_backward(process_group, tiny_model_dir):
+    """Under bf16 mixed precision the backbone computes in bf16 and the value head in fp32."""
+    critic = build_critic(training_config(tiny_model_dir), read_weights(tiny_model_dir), CPU, torch.bfloat16, activation_checkpointing=True)
+    torch.nn.init.normal_(critic.value_head.weight)
+    ids = torch.randint(3, 300, (2, 12))
+    values = critic_forward(critic, ids, torch.ones_like(ids))
+    assert values.shape == (2, 12) and values.dtype == torch.float32 and values[:, 1:].abs().sum() > 0
+    values.sum().backward()
+    assert critic.value_head.weight.grad.dtype == torch.float32 and critic.value_head.weight.grad.full_tensor().abs().sum() > 0
+
+
+def update_batch(tokenizer, n=6):
+    """A batch as train.py builds it, from scripted arithmetic trajectories (no engine needed)."""
+    env = ToolEnv([calculator_tool()], tokenizer)
+    rows = train.arithmetic_task(n, 0, "train")
+    trajs = [scripted_trajectory(env, row, train.arithmetic_demonstration(row, random.Random(i))) for i, row in enumerate(rows)]
+    batch = train.collate(trajs, pad_token_id(tokenizer))
+    batch["old_logprobs"] = torch.zeros_like(batch["action_mask"])
+    batch["advantages"] = torch.randn(batch["action_mask"].shape) * batch["action_mask"]
+    return batch
+
+
+@pytest.mark.parametrize("made_by", ["build_policy", "from_pretrained"])
+@pytest.mark.parametrize("checkpointing, forwards_per_micro_batch", [(True, 2), (False, 1)])
+def test_activation_checkpointing_recomputes_every_layer(process_group, tiny_model_dir, made_by, checkpointing, forwards_per_micro_batch):
+    """With activation checkpointing each decoder layer runs again in the backward pass: its
+    forward pre-hook fires twice per micro-batch of an update (models come in train mode). (A
+    post-hook would not: the recompute stops as soon as it has rebuilt what the backward needs.)"""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    batch = update_batch(tok)
+    cfg = make_config("tiny", ["train.micro_batch_tokens=200"])
+    if made_by == "build_policy":
+        policy = build_policy(training_config(tiny_model_dir), read_weights(tiny_model_dir), CPU, torch.float32, checkpointing)
+    else:  # from_pretrained returns a model in eval mode, where transformers does not checkpoint
+        policy = shard(load_causal_lm(tiny_model_dir), torch.float32, checkpointing)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
+    forwards = []
+    decoder_layers(policy)[0].register_forward_pre_hook(lambda *args: forwards.append(1))
+    rows = list(range(len(batch["lengths"])))
+    micro = len(train.synced_micro_batches(batch["lengths"], cfg.train.micro_batch_tokens))
+    assert micro >= 2
+    train.update_policy(policy, optimizer, scheduler, batch, rows, cfg, 1, CPU)
+    assert len(forwards) == forwards_per_micro_batch * micro
+
+
+def test_trainer_forwards_build_no_kv_cache(process_group, tiny_model_dir):
+    config, weights = training_config(tiny_model_dir), read_weights(tiny_model_dir)
+    caches = []
+
+    def record(module, args, kwargs):
+        caches.append(kwargs.get("past_key_values"))
+    ids = torch.randint(3, 300, (2, 10))
+    for model, forward in [(build_policy(config, weights, CPU, torch.float32, False), policy_forward),
+                           (build_critic(config, weights, CPU, torch.float32, False), critic_forward)]:
+        decoder_layers(model)[0].register_forward_pre_hook(record, with_kwargs=True)
+        forward(model, ids, torch.ones_like(ids))
+    assert len(caches) == 2 and all(c is None for c in caches)
+
+
+def test_a_tokenizer_without_pad_token_pads_with_eos(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.pad_token = None
+    batch = update_batch(tok)
+    short = min(range(len(batch["lengths"])), key=lambda i: batch["lengths"][i])
+    assert batch["input_ids"][short, batch["lengths"][short]:].eq(tok.eos_token_id).all()
+
+
+def test_step_prompts_cover_each_epoch_once_per_rank_share():
+    rows = [{"id": i} for i in range(10)]
+    per_rank, world = 3, 2
+
+    def ids(step, rank):
+        return [r["id"] for r in train.step_prompts(rows, step, per_rank, rank, world, seed=1, shuffle=True)]
+    seen = [i for step in range(5) for rank in range(world) for i in ids(step, rank)]  # 30 draws: three epochs of ten
+    for epoch in range(3):
+        assert sorted(seen[epoch * 10:(epoch + 1) * 10]) == list(range(10))
+    assert seen[:10] != seen[10:20]  # reshuffled every epoch
+    assert ids(3, 1) == ids(3, 1)  # a function of the step
+    unshuffled = [r["id"] for r in train.step_prompts(rows, 1, per_rank, 0, world, seed=1, shuffle=False)]
+    assert unshuffled == [6, 7, 8]
+
+
+def test_fit_prompts_refuses_or_drops_long_prompts():
+    rows = [{"id": f"q{i}"} for i in range(5)]
+    lengths = [10, 50, 12, 60, 9]
+    with pytest.raises(ValueError, match=r"f.jsonl: 2 of 5 prompts are longer than data.max_prompt_tokens=20 \(first: q1, q3\)"):
+        fit_prompts(rows, lengths, 20, "refuse", "f.jsonl")
+    assert [r["id"] for r in fit_prompts(rows, lengths, 20, "drop", "f.jsonl")] == ["q0", "q2", "q4"]
+    with pytest.raises(ValueError, match="no prompts to train on"):
+        fit_prompts(rows, lengths, 5, "drop", "f.jsonl")
+
+
+def test_long_prompts_stop_every_rank_when_the_data_is_loaded(tiny_model_dir):
+    """Under torchrun with 2 ranks, a prompt over data.max_prompt_tokens is refused by every rank
+    before any collective: the run ends at once with the count and the first ids, no hang."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = make_config("tiny")
+    _, _, env, _ = train.load_task(cfg, tok)
+    rows = train.arithmetic_task(cfg.data.num_train, cfg.seed, "train")
+    lengths = env.prompt_lengths([r["messages"] for r in rows])
+    assert min(lengths) < max(lengths)  # the two phrasings
+    over = [r["id"] for r, n in zip(rows, lengths) if n > min(lengths)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", "train.py", "--config=tiny",
+           f"model={tiny_model_dir}", f"data.max_prompt_tokens={min(lengths)}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert f"{len(over)} of {len(rows)} prompts are longer than data.max_prompt_tokens={min(lengths)} (first: {over[0]}," in proc.stderr
+    assert "data.bad_prompts=drop" in proc.stderr
+    kept, _, _, _ = train.load_task(make_config("tiny", [f"data.max_prompt_tokens={min(lengths)}", "data.bad_prompts=drop"]), tok)
+    assert len(kept) == len(rows) - len(over) and not {r["id"] for r in kept} & set(over)

@@ -308,25 +308,6 @@ def evaluate(engine, env, rows, cfg, rank, world, device):
     return {f"eval/{k}": v / max(totals[-1], 1) for k, v in zip(keys, totals[:-1])}
 
 
-def check_export(policy, export_dir, probe_ids, cfg, device):
-    """Load the export back with transformers (rank 0) and compare its logprobs of a probe
-    sequence with the trainer's: an export that loads but computes something else must not pass
-    silently. Returns the max abs difference."""
-    from nanoagent.model import load_causal_lm, policy_forward
-    ids = torch.tensor([probe_ids])
-    with torch.no_grad():
-        trainer, _ = policy_forward(policy, ids.to(device), torch.ones_like(ids).to(device), cfg.rollout.temperature)  # collective under FSDP
-        diff = torch.zeros(1)
-        if dist.get_rank() == 0:
-            exported, _ = policy_forward(load_causal_lm(export_dir).eval(), ids, torch.ones_like(ids), cfg.rollout.temperature)
-            diff[0] = (exported - trainer.float().cpu()).abs().max()
-    dist.broadcast(diff, 0)
-    tolerance = 1e-3 if cfg.train.dtype == "float32" or device.type == "cpu" else 0.1  # bf16 compute in the trainer
-    if not diff.item() <= tolerance:
-        raise RuntimeError(f"the export at {export_dir} does not reproduce the trainer's logprobs (max diff {diff.item():.3g})")
-    return diff.item()
-
-
 # -----------------------------------------------------------------------------
 
 def main(argv=None):
@@ -504,9 +485,8 @@ def main(argv=None):
             break
 
     export_dir = os.path.join(cfg.run_dir, "hf")
-    export_hf(policy, tokenizer, export_dir)
-    diff = check_export(policy, export_dir, env.prompt_ids(val_rows[0]["messages"]), cfg, device)
-    print0(f"exported {export_dir} (its logprobs differ from the trainer's by at most {diff:.2e})")
+    export_hf(policy, tokenizer, export_dir, torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32)
+    print0(f"exported {export_dir} ({cfg.train.dtype}, loaded back and checked tensor by tensor)")
     dist.barrier()
     return 0
 

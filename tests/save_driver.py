@@ -8,6 +8,13 @@ Importing torch and transformers takes ~10 s on a small CPU and the test kills 2
 this script imports once and forks a child for each `life` line: a real process with its own
 world-of-one gloo group, which the test SIGKILLs at a moment of its choosing.
 
+Ballast: a real checkpoint is many large files and deleting one takes a while (seconds for a big
+sharded checkpoint on a shared filesystem), while the tiny model's folders go in under a
+millisecond, a window that kills at random moments would almost never hit. So each folder saved
+gets BALLAST_FILES names in `ballast/` (hard links to one empty file: quick to make, and deleted
+one by one; DCP and transformers ignore the folder): deleting it then takes ~60 ms, a fair share
+of a save, as with a large model.
+
 The state is a deterministic function of the step: step k is the tiny model (sharded with
 nanoagent.model.shard) after k AdamW steps with fixed gradients, a LambdaLR schedule, and the
 RNGs seeded with k. So a resumed state can be checked exactly, against a replay from step 0.
@@ -19,8 +26,8 @@ A life:
   3. save step S again and export it (replacing complete folders: what rmtree-then-rename lost),
      then step forward STEPS times, saving and exporting each step.
 
-Lines on stdout: `pid P`, `resumed S`, `hf K` (the step the export holds; `hf.old K` when only the
-copy moved aside is there, `hf none` when there is no export), `begin checkpoint|export K`,
+Lines on stdout: `pid P`, `resumed S`, `export hf K` (the step the export holds; `export hf.old K`
+when only the copy moved aside is there, `export none`), `begin checkpoint|export K`,
 `end checkpoint|export K SECONDS`, and from this parent process `exit CODE` when the child ends
 (CODE -9: killed). A failed check is a traceback and `exit 1`.
 """
@@ -41,6 +48,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanoagent.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from nanoagent.model import shard  # noqa: E402
+
+
+BALLAST_FILES = 5000
+
+
+def add_ballast(folder):
+    ballast = os.path.join(folder, "ballast")
+    os.makedirs(ballast)
+    open(os.path.join(ballast, "0"), "w").close()
+    for i in range(1, BALLAST_FILES):
+        os.link(os.path.join(ballast, "0"), os.path.join(ballast, str(i)))
 
 
 def seed(step):
@@ -114,13 +132,13 @@ def check_resume(run_dir, model_dir, model, optimizer, scheduler):
     hf = os.path.join(run_dir, "hf")
     found = hf if os.path.isdir(hf) else hf + ".old" if os.path.isdir(hf + ".old") else None
     if found is None:
-        print("hf none", flush=True)
+        print("export none", flush=True)
     else:
         exported = AutoModelForCausalLM.from_pretrained(found, dtype=torch.bfloat16).state_dict()
         steps = [step for step, weights in exports.items() if first_difference(exported, weights) is None]
         if not steps:
             raise AssertionError(f"{found} does not hold the weights of any step up to {start}")
-        print(f"{os.path.basename(found)} {steps[-1]}", flush=True)
+        print(f"export {os.path.basename(found)} {steps[-1]}", flush=True)
     return start
 
 
@@ -136,12 +154,14 @@ def life(run_dir, model_dir, steps):
             advance(model, optimizer, scheduler, step)
         print(f"begin checkpoint {step}", flush=True)
         t0 = time.perf_counter()
-        save_checkpoint(run_dir, step, {"policy": model}, {"policy": optimizer}, {"policy": scheduler}, {"step": step})
+        checkpoint = save_checkpoint(run_dir, step, {"policy": model}, {"policy": optimizer}, {"policy": scheduler}, {"step": step})
         print(f"end checkpoint {step} {time.perf_counter() - t0:.4f}", flush=True)
+        add_ballast(checkpoint)
         print(f"begin export {step}", flush=True)
         t0 = time.perf_counter()
         export_hf(model, tokenizer, os.path.join(run_dir, "hf"), torch.bfloat16)
         print(f"end export {step} {time.perf_counter() - t0:.4f}", flush=True)
+        add_ballast(os.path.join(run_dir, "hf"))
 
 
 def main():

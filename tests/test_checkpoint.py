@@ -1,0 +1,228 @@
+"""
+Checkpoints and the Hugging Face export under SIGKILL, and the export's tensor-by-tensor check.
+
+A save replaces its folder atomically (write `.tmp`, move the old one to `.old`, rename, delete
+`.old`), so whatever instant a kill lands on, a complete copy survives and the readers find it:
+random kills of a process that saves over and over (tests/save_driver.py), every leftover a kill
+can leave, and a real trainer run killed while it writes a checkpoint, then resumed.
+"""
+
+import json
+import os
+import queue
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from save_driver import advance, build, full_state
+from test_train import QUICK, ROOT, free_port, train
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from nanoagent.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint, verify_export
+
+DRIVER = os.path.join(ROOT, "tests", "save_driver.py")
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_saves_survive_kill_9_at_random_moments(tmp_path, tiny_model_dir):
+    rng = random.Random(0)
+    run_dir = tmp_path / "run"
+    driver = subprocess.Popen([sys.executable, DRIVER, str(run_dir), tiny_model_dir], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              start_new_session=True)
+    lines, transcript = queue.Queue(), []
+
+    def read():
+        for line in driver.stdout:
+            lines.put(line)
+        lines.put("eof")
+    threading.Thread(target=read, daemon=True).start()
+    durations = {"checkpoint": [], "export": []}
+    completed = {"checkpoint": 0, "export": 0}  # the highest step whose save returned
+    resumed, exports = [], {"hf": 0, "hf.old": 0, "none": 0}  # what the lives found
+
+    def life(steps, kill=None):
+        """One child of the driver; kill=(k, fraction): SIGKILL it `fraction` of the typical duration
+        after its k-th save begins. Asserts on what it found left by the lives before. Returns its exit code."""
+        driver.stdin.write(f"life {steps}\n")
+        driver.stdin.flush()
+        begun = 0
+        while True:
+            line = lines.get(timeout=120)
+            transcript.append(line)
+            assert line != "eof", "".join(transcript[-40:])
+            word, *rest = line.split() or [""]
+            if word == "pid":
+                pid = int(rest[0])
+            elif word == "resumed":  # a complete checkpoint, no older than the last save that returned, holding its exact state
+                assert int(rest[0]) >= completed["checkpoint"], "".join(transcript[-40:])
+                resumed.append(int(rest[0]))
+            elif word == "export":  # loaded back: the last export that returned, or a later one
+                assert (0 if rest[0] == "none" else int(rest[1])) >= completed["export"], "".join(transcript[-40:])
+                exports[rest[0]] += 1
+            elif word == "begin":
+                if kill and begun == kill[0]:
+                    time.sleep(kill[1] * statistics.median(durations[rest[0]]))
+                    os.kill(pid, signal.SIGKILL)
+                begun += 1
+            elif word == "end":
+                completed[rest[0]] = max(completed[rest[0]], int(rest[1]))
+                durations[rest[0]].append(float(rest[2]))
+            elif word == "exit":
+                return int(rest[0])
+
+    try:
+        t0 = time.perf_counter()
+        assert life(2) == 0, "".join(transcript)  # not killed: typical durations, and a first export
+        for _ in range(20):
+            # during the re-save of the step the life resumed from, its re-export, or the save of the next step
+            code = life(3, kill=(rng.randrange(3), rng.random()))
+            assert code == -signal.SIGKILL, "".join(transcript[-40:])
+        assert life(1) == 0, "".join(transcript[-40:])  # checks what the 20th kill left
+        elapsed = time.perf_counter() - t0
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
+    assert sorted(os.listdir(run_dir)) == ["checkpoints", "hf"]
+    assert all(re.fullmatch(r"step_\d{6}", name) for name in os.listdir(run_dir / "checkpoints"))
+    print(f"20 kills in {elapsed:.0f}s; resumed from steps {resumed}; the export found in {exports}; median save "
+          f"{statistics.median(durations['checkpoint']):.3f}s, export {statistics.median(durations['export']):.3f}s")
+
+
+def make_partial(source, target):
+    """A copy of a complete checkpoint or export without its metadata or weights file: what a kill
+    leaves while the copy is written (or deleted)."""
+    shutil.copytree(source, target)
+    os.remove(os.path.join(target, ".metadata" if os.path.exists(os.path.join(source, ".metadata")) else "model.safetensors"))
+
+
+# What a kill leaves at each point of a save of step 2 (which already exists) and of the export
+# (hf exists), and where the complete copy is then.
+LEFTOVERS = {
+    "writing a new step": ([("partial", "checkpoints/step_000002", "checkpoints/step_000003.tmp"), ("partial", "hf", "hf.tmp")],
+                           "step_000002"),
+    "writing over a step": ([("partial", "checkpoints/step_000002", "checkpoints/step_000002.tmp"), ("partial", "hf", "hf.tmp")],
+                            "step_000002"),
+    "between the two renames": ([("copy", "checkpoints/step_000002", "checkpoints/step_000002.tmp"),
+                                 ("move", "checkpoints/step_000002", "checkpoints/step_000002.old"),
+                                 ("copy", "hf", "hf.tmp"), ("move", "hf", "hf.old")], "step_000002.old"),
+    "deleting the replaced copy": ([("partial", "checkpoints/step_000002", "checkpoints/step_000002.old"), ("partial", "hf", "hf.old")],
+                                   "step_000002"),
+}
+
+
+@pytest.mark.parametrize("moment", LEFTOVERS)
+def test_readers_cope_with_what_a_kill_leaves(moment, tmp_path, tiny_model_dir, world_of_one):
+    model, optimizer, scheduler = build(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    run_dir = tmp_path / "run"
+    models, optimizers, schedulers = {"policy": model}, {"policy": optimizer}, {"policy": scheduler}
+    for step in (1, 2):
+        advance(model, optimizer, scheduler, step)
+        save_checkpoint(str(run_dir), step, models, optimizers, schedulers, {"step": step})
+        export_hf(model, tokenizer, str(run_dir / "hf"), torch.bfloat16)
+    step2 = full_state(model, optimizer, scheduler)
+    advance(model, optimizer, scheduler, 3)  # moves on, so that the load below must bring step 2 back
+
+    operations, complete = LEFTOVERS[moment]
+    for operation, source, target in operations:
+        {"partial": make_partial, "copy": shutil.copytree, "move": os.rename}[operation](run_dir / source, run_dir / target)
+    path = latest_checkpoint(str(run_dir))
+    assert path == str(run_dir / "checkpoints" / complete)
+    assert load_checkpoint(path, models, optimizers, schedulers) == (2, {"step": 2})
+    resumed = full_state(model, optimizer, scheduler)
+    for name in step2["model"]:
+        assert torch.equal(resumed["model"][name], step2["model"][name]), name
+    assert resumed["scheduler"] == step2["scheduler"]
+
+    # the next save and export put back what was moved aside and delete what is partial
+    advance(model, optimizer, scheduler, 3)
+    save_checkpoint(str(run_dir), 3, models, optimizers, schedulers, {"step": 3})
+    export_hf(model, tokenizer, str(run_dir / "hf"), torch.bfloat16)
+    assert sorted(os.listdir(run_dir)) == ["checkpoints", "hf"]
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["step_000001", "step_000002", "step_000003"]
+    assert load_checkpoint(str(run_dir / "checkpoints" / "step_000002"), models, optimizers, schedulers) == (2, {"step": 2})
+
+
+def test_export_is_in_the_training_dtype_and_checked_tensor_by_tensor(tmp_path, tiny_model_dir, world_of_one):
+    model, _, _ = build(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert not torch.equal(full[name].to(torch.bfloat16).float(), full[name])  # the tiny model's weights are not bf16 numbers
+    for dtype in (torch.float32, torch.bfloat16):
+        out = tmp_path / str(dtype).removeprefix("torch.")
+        export_hf(model, tokenizer, str(out), dtype)  # a correct export passes the check
+        stored = load_file(out / "model.safetensors")
+        assert all(tensor.dtype == dtype for tensor in stored.values())
+        assert torch.equal(stored[name], full[name].to(dtype))
+        assert AutoModelForCausalLM.from_pretrained(out).dtype == dtype  # the config says so too
+
+    # one element of one tensor one ulp off
+    folder = str(tmp_path / "bfloat16")
+    stored = {k: v.clone() for k, v in load_file(os.path.join(folder, "model.safetensors")).items()}
+    stored[name].view(torch.int16)[3, 5] += 1
+    save_file(stored, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(RuntimeError, match=rf"export in {re.escape(folder)} .*{re.escape(name)} differs \(1 of"):
+        verify_export(full, folder, torch.bfloat16)
+
+
+def start_train(run_dir, *overrides):
+    """train.py under torchrun in the background, output in run_dir.log."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
+           os.path.join(ROOT, "train.py"), *QUICK, f"run_dir={run_dir}", *overrides]
+    with open(f"{run_dir}.log", "w") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def kill_9(torchrun):
+    """SIGKILL the trainer and torchrun. torchrun starts each worker in a session of its own, so
+    killing torchrun's process group would leave the trainer running."""
+    with open(f"/proc/{torchrun.pid}/task/{torchrun.pid}/children") as f:
+        workers = [int(pid) for pid in f.read().split()]
+    for worker in workers:
+        os.killpg(worker, signal.SIGKILL)
+    torchrun.kill()
+    torchrun.wait()
+    return workers
+
+
+@pytest.mark.slow
+def test_trainer_killed_while_saving_resumes_exactly(tmp_path):
+    keys = ["reward", "pg_loss", "vf_loss", "grad_norm", "vf_grad_norm", "response_tokens", "clipfrac", "entropy"]
+    # the entropy bonus and the KL reward move the policy and the critic although the tiny model earns no reward yet
+    overrides = ["algo=ppo", "steps=3", "train.save_every=1", "rollout.engine=hf", "train.entropy_coef=0.01", "train.kl_mode=reward"]
+    straight = start_train(tmp_path / "straight", *overrides)
+    killed = start_train(tmp_path / "killed", *overrides)
+    while not (tmp_path / "killed" / "checkpoints" / "step_000002.tmp").exists():
+        assert killed.poll() is None, open(tmp_path / "killed.log").read()[-3000:]
+        time.sleep(0.005)
+    assert kill_9(killed)  # mid-save
+    assert straight.wait(timeout=600) == 0, open(tmp_path / "straight.log").read()[-3000:]
+
+    out, metrics = train(tmp_path / "killed", *overrides, nproc=1)
+    resumed_at = int(re.search(r"resumed from \S+ at step (\d+)", out).group(1))
+    assert resumed_at in (1, 2) and "warm start" not in out
+    expected = [m for m in map(json.loads, open(tmp_path / "straight" / "metrics.jsonl")) if m["step"] == 3][0]
+    [step3] = [m for m in metrics if m["step"] == 3]
+    for k in keys:
+        assert step3[k] == pytest.approx(expected[k], rel=1e-5, abs=1e-7), k
+    assert sorted(os.listdir(tmp_path / "killed" / "checkpoints")) == ["step_000001", "step_000002", "step_000003"]

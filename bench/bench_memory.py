@@ -15,7 +15,8 @@ Memory of the trainer (prints figures; asserts nothing).
 2. Loading, peak host memory per rank. A random Qwen2.5-1.5B-shaped checkpoint in bf16 (as Qwen
    ships it), loaded as a GRPO run with a KL term does (policy + reference) by 2 ranks under
    torchrun: nanoagent.model's meta-device build filled by broadcast from rank 0, against every
-   rank calling from_pretrained in fp32 and sharding afterwards.
+   rank calling from_pretrained in fp32 and sharding afterwards. On a CPU a rank's own shards live
+   in host memory too (on a GPU they would not): the figure beyond them is what loading costs.
 """
 
 import argparse
@@ -97,12 +98,14 @@ def loading_peak(variant, path):
     device = torch.device("cpu")
     if variant == "nanoagent":
         config, weights = nanoagent_model.training_config(path), nanoagent_model.read_weights(path)
-        nanoagent_model.build_policy(config, weights, device, torch.bfloat16, activation_checkpointing=True)
-        nanoagent_model.build_reference(config, weights, device, torch.bfloat16)
+        models = [nanoagent_model.build_policy(config, weights, device, torch.bfloat16, activation_checkpointing=True),
+                  nanoagent_model.build_reference(config, weights, device, torch.bfloat16)]
     else:  # every rank: the whole model in fp32 on the host, then sharded (what train.py did before)
-        nanoagent_model.shard(nanoagent_model.load_causal_lm(path).to(device), torch.bfloat16, True)
-        nanoagent_model.shard(nanoagent_model.load_causal_lm(path).to(device), torch.bfloat16).requires_grad_(False)
-    print(json.dumps({"rank": dist.get_rank(), "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}), flush=True)
+        models = [nanoagent_model.shard(nanoagent_model.load_causal_lm(path).to(device), torch.bfloat16, True),
+                  nanoagent_model.shard(nanoagent_model.load_causal_lm(path).to(device), torch.bfloat16).requires_grad_(False)]
+    shards = sum(p.to_local().numel() * p.element_size() for m in models for p in m.parameters())
+    print(json.dumps({"rank": dist.get_rank(), "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "shards": shards}),
+          flush=True)
     dist.destroy_process_group()
 
 
@@ -128,9 +131,9 @@ def measure_loading():
                                   __file__, "--loading-run", variant, path], capture_output=True, text=True, check=True,
                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
             peaks = sorted((json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
-            per_rank = ", ".join(f"rank {r['rank']} {r['peak_rss'] / 2**30:.1f} GiB" for r in peaks)
-            print(f"   {variant:>15}: {per_rank}; total {sum(r['peak_rss'] for r in peaks) / 2**30:.1f} GiB, "
-                  f"median {statistics.median(r['peak_rss'] for r in peaks) / 2**30:.1f} GiB")
+            per_rank = ", ".join(f"rank {r['rank']} {r['peak_rss'] / 2**30:.1f} GiB ({(r['peak_rss'] - r['shards']) / 2**30:.1f} beyond "
+                                 f"its own {r['shards'] / 2**30:.1f} GiB of shards)" for r in peaks)
+            print(f"   {variant:>15}: {per_rank}; median {statistics.median(r['peak_rss'] for r in peaks) / 2**30:.1f} GiB")
 
 
 if __name__ == "__main__":

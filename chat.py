@@ -23,6 +23,7 @@ import re
 import sys
 
 from nanoagent.config import ConfigError, apply_overrides, from_dict, make_config, reference
+from nanoagent.tasks import load_task
 
 THINK_TAG_RE = re.compile(r"</?think>")
 CALL_BLOCK_RE = re.compile(r"<tool_call>.*?(?:</tool_call>|\Z)", re.DOTALL)  # closed, or cut off by the token budget
@@ -54,18 +55,6 @@ def load_config(model, preset, overrides):
         return make_config(None, overrides), "defaults"
     except (ConfigError, json.JSONDecodeError) as e:
         fail(f"config: {e}")
-
-
-def task_prompt(tools):
-    """(system prompt, question wording) of the task these tools were trained on: the search tasks
-    (hotpotqa.py, synthetic.py) or arithmetic (data.py)."""
-    from nanoagent.data import ARITHMETIC_SYSTEM
-    from nanoagent.hotpotqa import SEARCH_SYSTEM
-    if "search" in tools:
-        return SEARCH_SYSTEM, "Question: {}"  # as hotpotqa.qa_row words a question
-    if "calculator" in tools:
-        return ARITHMETIC_SYSTEM, "{}"
-    return "", "{}"
 
 
 def ask(engine, env, messages, question, sampling, max_turns, max_context):
@@ -125,9 +114,9 @@ def main(argv=None):
     parser.add_argument("--model", required=True, help="exported checkpoint folder (<run_dir>/hf), hub id, or 'tiny'")
     parser.add_argument("--question", default=None, help="answer this one question and exit")
     parser.add_argument("--config", default=None, help="preset for tools and budgets (default: the run's config.json, else the defaults)")
-    parser.add_argument("--tools", default=None, help="comma-separated tools: search, calculator, or empty for none (default: the task's)")
+    parser.add_argument("--tools", default=None, help="comma-separated built-in tools: search, calculator, or empty for none (default: the task's)")
     parser.add_argument("--index", default=None, help="search: index folder from build_index.py (default: data.index_dir)")
-    parser.add_argument("--system", default=None, help="system prompt (default: the one the task trained with)")
+    parser.add_argument("--system", default=None, help="system prompt (default: the task's)")
     parser.add_argument("--engine", choices=["auto", "vllm", "hf"], default=None, help="generation engine (default: rollout.engine)")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. rollout.max_turns=6")
@@ -138,12 +127,11 @@ def main(argv=None):
         fail(f"--model {args.model!r} is a folder without a model (no config.json); a run exports to <run_dir>/hf")
     if not os.path.exists(args.model) and (os.path.isabs(args.model) or args.model.startswith(".") or args.model.count("/") > 1):
         fail(f"--model {args.model!r} does not exist (and is a path, not a hub id); a run exports to <run_dir>/hf")
-    cfg, config_source = load_config(args.model, args.config, args.overrides)
-    if args.tools is not None:
-        tools = [t.strip() for t in args.tools.split(",") if t.strip()]
-    else:
-        tools = ["calculator"] if cfg.data.task == "arithmetic" else ["search"]  # as train.py's load_task
-    index_dir = args.index or cfg.data.index_dir
+    cfg, config_source = load_config(args.model, args.config, args.overrides + ([f"data.index_dir={args.index}"] if args.index else []))
+    try:
+        task = load_task(cfg.data.task)
+    except (OSError, ValueError) as e:
+        fail(str(e))
 
     import torch
     from rich.console import Console
@@ -163,8 +151,9 @@ def main(argv=None):
     if not tokenizer.chat_template:
         fail(f"--model {args.model!r} has no chat template; nanoagent renders conversations and tool results with it")
     try:
-        env = ToolEnv(make_tools(tools, index_dir, top_k=cfg.rollout.search_top_k), tokenizer,
-                      cfg.rollout.max_obs_tokens, cfg.rollout.tool_timeout_s)
+        tools = task.tools(cfg) if args.tools is None else make_tools([t.strip() for t in args.tools.split(",") if t.strip()],
+                                                                        cfg.data.index_dir, top_k=cfg.rollout.search_top_k)
+        env = ToolEnv(tools, tokenizer, cfg.rollout.max_obs_tokens, cfg.rollout.tool_timeout_s)
     except (OSError, ValueError) as e:  # no index there, an unknown tool, an index that will not load
         fail(str(e))
     max_context = min(cfg.rollout.max_context_tokens, max_positions or cfg.rollout.max_context_tokens)
@@ -178,8 +167,8 @@ def main(argv=None):
     except (OSError, RuntimeError, ValueError) as e:  # no vLLM, weights missing, a stop tag the tokenizer splits
         fail(f"cannot start the engine for {args.model!r}: {str(e).strip().splitlines()[0]}")
     sampling = SamplingConfig(cfg.rollout.max_new_tokens, args.temperature or 1.0, cfg.rollout.top_p, greedy=args.temperature == 0)
-    system, wording = task_prompt(tools)
-    system = system if args.system is None else args.system
+    system = task.SYSTEM_PROMPT if args.system is None else args.system
+    wording = task.QUESTION
     messages = [{"role": "system", "content": system}] if system else []
 
     def answer(question):
@@ -197,7 +186,7 @@ def main(argv=None):
         except ValueError as e:
             fail(str(e))
         return 0
-    console.print(Text.assemble(("nanoagent chat", "bold"), f" with {args.model}\ntools: {', '.join(tools) or 'none'}, "
+    console.print(Text.assemble(("nanoagent chat", "bold"), f" with {args.model}\ntools: {', '.join(env.tools) or 'none'}, "
                                 f"config: {config_source}; Ctrl-D or Ctrl-C leaves"), style="dim")
     while True:
         question = console.input("[bold cyan]you>[/bold cyan] ").strip()

@@ -1,14 +1,15 @@
 """
-Roll an agent out over a dataset with its tools: write the trajectories as JSONL and print
-mean reward, EM / substring EM / F1 where the data has answers, turns per trajectory, response
-tokens, finish reasons and tokens/s.
+Roll an agent out over a task's prompts with the task's tools: write the trajectories as JSONL
+and print the mean reward and the task's scores (EM / substring EM / F1 for the QA tasks), turns
+per trajectory, response tokens, finish reasons and tokens/s.
 
     python rollout.py --model out/run/hf --data data/hotpotqa/val.parquet --index data/hotpotqa/index --greedy
+    python rollout.py --model out/tiny/hf --config tiny --greedy          # the task's held-out prompts
     python rollout.py --model tiny --data prompts.jsonl --tools calculator --config tiny rollout.max_turns=2
 
-Sampling, budgets and the reward recipe come from the config (--config preset + key=value
-overrides), the same settings training uses: rollout.engine, rollout.temperature, rollout.max_turns,
-reward.metric, ...
+The task (data.task), its prompts, tools and scoring, and the sampling, budgets and reward recipe
+come from the config (--config preset + key=value overrides), the same settings training uses:
+rollout.engine, rollout.temperature, rollout.max_turns, reward.metric, ...
 """
 
 import argparse
@@ -17,17 +18,26 @@ import os
 import sys
 import time
 
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from nanoagent.agent import rollout_metrics, run_agent
+from nanoagent.common import resolve_model
 from nanoagent.config import ConfigError, make_config, reference
+from nanoagent.data import load_prompts
+from nanoagent.engine import SamplingConfig, make_engine
+from nanoagent.tasks import load_task
+from nanoagent.tools import ToolEnv, make_tools
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, epilog=reference(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="exported checkpoint folder, hub id, or 'tiny'")
-    parser.add_argument("--data", required=True, help="prompts: parquet from prepare_data.py, or JSONL with id, messages, answers")
+    parser.add_argument("--data", default=None, help="prompts: parquet from prepare_data.py, or JSONL with id, messages, answers "
+                                                     "(default: the task's held-out prompts)")
     parser.add_argument("--out", default="out/rollouts.jsonl", help="trajectories, one JSON object per line")
-    parser.add_argument("--tools", default="search", help="comma-separated tools: search, calculator (empty: none)")
+    parser.add_argument("--tools", default=None, help="comma-separated built-in tools: search, calculator, or empty for none (default: the task's)")
     parser.add_argument("--index", default=None, help="search: index folder from build_index.py (default: data.index_dir)")
-    parser.add_argument("--encoder", default=None, help="search: the index's encoder from another path (default: the one it records)")
     parser.add_argument("--limit", type=int, default=0, help="roll out only the first N prompts (0: all)")
     parser.add_argument("--batch-size", type=int, default=64, help="prompts rolled out together")
     parser.add_argument("--greedy", action="store_true", help="greedy decoding (evaluation)")
@@ -35,7 +45,7 @@ def parse_args(argv):
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. rollout.max_turns=4")
     args = parser.parse_args(argv)
     try:
-        cfg = make_config(args.config, args.overrides + [f"model={args.model}"])
+        cfg = make_config(args.config, args.overrides + [f"model={args.model}"] + ([f"data.index_dir={args.index}"] if args.index else []))
     except ConfigError as e:
         parser.error(str(e))
     return args, cfg
@@ -43,22 +53,14 @@ def parse_args(argv):
 
 def main(argv=None):
     args, cfg = parse_args(sys.argv[1:] if argv is None else argv)
-    from tqdm import tqdm
-    from transformers import AutoTokenizer
-
-    from nanoagent.agent import rollout_metrics, run_agent
-    from nanoagent.common import resolve_model
-    from nanoagent.data import load_prompts
-    from nanoagent.engine import SamplingConfig, make_engine
-    from nanoagent.reward import score_trajectory
-    from nanoagent.tools import ToolEnv, make_tools
-
-    samples = load_prompts(args.data, args.limit)
+    task = load_task(cfg.data.task)
+    samples = load_prompts(args.data, args.limit) if args.data else task.prompts(cfg, "val")[:args.limit or None]
     model_path = resolve_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.chat_template is None:
         sys.exit(f"rollout.py: {model_path} has no chat template; nanoagent renders prompts and tool results with it")
-    tools = make_tools([t for t in args.tools.split(",") if t], args.index or cfg.data.index_dir, args.encoder, cfg.rollout.search_top_k)
+    tools = task.tools(cfg) if args.tools is None else make_tools([t for t in args.tools.split(",") if t], cfg.data.index_dir,
+                                                                    top_k=cfg.rollout.search_top_k)
     env = ToolEnv(tools, tokenizer, cfg.rollout.max_obs_tokens, cfg.rollout.tool_timeout_s)
     engine = make_engine(cfg.rollout.engine, model_path, tokenizer, cfg.rollout.max_context_tokens, cfg.rollout.dtype,
                          cfg.rollout.gpu_memory_utilization, cfg.rollout.tensor_parallel_size, cfg.seed)
@@ -70,7 +72,7 @@ def main(argv=None):
         for i in range(0, len(samples), args.batch_size):
             batch = run_agent(engine, env, samples[i:i + args.batch_size], sampling, cfg.rollout.max_turns, cfg.rollout.max_context_tokens)
             for t in batch:
-                score_trajectory(t, cfg.reward)
+                task.score(t, cfg)
                 f.write(json.dumps(t.to_json(tokenizer)) + "\n")
             trajs += batch
             bar.update(len(batch))

@@ -7,6 +7,9 @@ colocated rollout engine in every rank that gets the new weights after every upd
     torchrun --nproc_per_node=2 train.py --config=tiny algo=ppo steps=2 run_dir=out/tiny   # CPU
     python train.py --config=tiny train.warm_start_steps=400 train.warm_start_lr=3e-3      # one process
 
+The task (nanoagent/tasks/, by data.task) gives the prompts, the tools, the scoring and the
+demonstrations for an optional warm start by imitation; everything else here is task-agnostic.
+
 One step, top to bottom:
   1. rollout: every rank rolls out its share of the prompts (G times each), multi-turn with tools;
   2. rewards: the task scores each trajectory; the outcome reward sits on the last action token,
@@ -27,7 +30,6 @@ import signal
 import sys
 import time
 
-import numpy as np
 import torch
 from transformers import AutoTokenizer
 
@@ -36,13 +38,12 @@ from nanoagent.agent import rollout_metrics, run_agent, scripted_trajectory
 from nanoagent.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
 from nanoagent.common import MetricsLog, all_reduce, init_distributed, print0, reduce_metrics, resolve_model, seed_everything
 from nanoagent.config import ConfigError, format_config, make_config, reference, save_config, to_dict
-from nanoagent.data import arithmetic_demonstration, arithmetic_task, fit_prompts, load_prompts
+from nanoagent.data import fit_prompts, step_prompts
 from nanoagent.engine import SamplingConfig, make_engine, pad_token_id
-from nanoagent.model import (build_critic, build_policy, build_reference, critic_forward, micro_batches, pad_rows, policy_forward,
-                             read_weights, training_config)
-from nanoagent.reward import score_trajectory
-from nanoagent.synthetic import synthetic_demonstration
-from nanoagent.tools import ToolEnv, calculator_tool, make_tools
+from nanoagent.model import (build_critic, build_policy, build_reference, collate, critic_forward, forward_all, full_tensors, micro_steps,
+                             policy_forward, read_weights, training_config)
+from nanoagent.tasks import load_task
+from nanoagent.tools import ToolEnv
 
 
 def parse_args(argv):
@@ -62,49 +63,19 @@ def parse_args(argv):
 
 
 # -----------------------------------------------------------------------------
-# the task: prompts, tools, reward
+# the task and the rewards
 
-def load_task(cfg, tokenizer):
-    """(train rows, val rows, tool environment, demonstration function or None) for
-    cfg.data.task, every prompt checked against data.max_prompt_tokens."""
-    if cfg.data.task == "arithmetic":
-        train, val = arithmetic_task(cfg.data.num_train, cfg.seed, "train"), arithmetic_task(cfg.data.num_val, cfg.seed, "val")
-        tools, sources, demonstrate = [calculator_tool()], ("arithmetic train", "arithmetic val"), arithmetic_demonstration
-    else:  # synthetic and hotpotqa: prompt files from prepare_data.py, search over an index from build_index.py
-        train, val = load_prompts(cfg.data.train_path), load_prompts(cfg.data.val_path)
-        tools, sources = make_tools(["search"], cfg.data.index_dir, top_k=cfg.rollout.search_top_k), (cfg.data.train_path, cfg.data.val_path)
-        demonstrate = synthetic_demonstration if cfg.data.task == "synthetic" else None
-    env = ToolEnv(tools, tokenizer, cfg.rollout.max_obs_tokens, cfg.rollout.tool_timeout_s)
-    train, val = (fit_prompts(rows, env.prompt_lengths([r["messages"] for r in rows]), cfg.data.max_prompt_tokens,
-                              cfg.data.bad_prompts, source) for rows, source in zip((train, val), sources))
-    return train, val, env, demonstrate
-
-
-def step_prompts(rows, step, per_rank, rank, world, seed, shuffle):
-    """The prompts of one step for one rank: a deterministic function of the step (the data
-    position is step x prompts per step), in an order drawn anew every epoch."""
-    start = (step * world + rank) * per_rank
-    epochs, indices = np.divmod(np.arange(start, start + per_rank), len(rows))
-    orders = {e: np.random.default_rng([seed, e]).permutation(len(rows)) if shuffle else np.arange(len(rows)) for e in set(epochs.tolist())}
-    return [rows[orders[e][i]] for e, i in zip(epochs.tolist(), indices.tolist())]
-
-
-# -----------------------------------------------------------------------------
-# trajectories -> padded tensors
-
-def collate(trajs, pad_id):
-    """
-    Rows `prompt | response` right-padded to [B, L]. action_mask and rollout_logprobs are laid
-    over the whole row (0 on the prompt and padding), so every per-token tensor shares one index.
-    """
-    rows = [t.prompt_ids + t.response_ids for t in trajs]
-    return {
-        "input_ids": pad_rows(rows, pad_id),
-        "attention_mask": pad_rows([[1] * len(r) for r in rows], 0),
-        "action_mask": pad_rows([[0] * len(t.prompt_ids) + t.action_mask for t in trajs], 0, torch.float32),
-        "rollout_logprobs": pad_rows([[0.0] * len(t.prompt_ids) + t.rollout_logprobs for t in trajs], 0.0, torch.float32),
-        "lengths": [len(r) for r in rows],
-    }
+def task_data(task, cfg, tokenizer):
+    """(train rows, val rows, tool environment): the task's prompts, every one checked against
+    data.max_prompt_tokens (chat template and tool schemas included) when loaded, on every rank,
+    before any collective."""
+    env = ToolEnv(task.tools(cfg), tokenizer, cfg.rollout.max_obs_tokens, cfg.rollout.tool_timeout_s)
+    rows = {}
+    for split in ("train", "val"):
+        prompts = task.prompts(cfg, split)
+        lengths = env.prompt_lengths([p["messages"] for p in prompts])
+        rows[split] = fit_prompts(prompts, lengths, cfg.data.max_prompt_tokens, cfg.data.bad_prompts, f"{cfg.data.task} {split} prompts")
+    return rows["train"], rows["val"], env
 
 
 def token_rewards(trajs, batch, tool_call_reward):
@@ -123,25 +94,6 @@ def token_rewards(trajs, batch, tool_call_reward):
     return rewards
 
 
-def synced_micro_batches(lengths, token_budget):
-    """
-    micro_batches(), with the same count on every rank: each FSDP forward and backward is a
-    collective, so a rank with fewer micro-batches would leave the others waiting forever. Short
-    ranks split their largest micro-batches, then add empty ones ([]), which callers run as a
-    zero-weight pass over one row.
-    """
-    batches = micro_batches(lengths, token_budget)
-    [count] = all_reduce([len(batches)], "max")
-    while len(batches) < count:
-        largest = max(range(len(batches)), key=lambda b: len(batches[b]))
-        if len(batches[largest]) > 1:
-            half = len(batches[largest]) // 2
-            batches[largest:largest + 1] = [batches[largest][:half], batches[largest][half:]]
-        else:
-            batches.append([])
-    return batches
-
-
 def global_counts(batch, rows):
     """Action tokens and sequences with action tokens in a mini-batch, over all ranks: the
     denominators that make every micro-batch's loss its share of one global mean."""
@@ -149,40 +101,15 @@ def global_counts(batch, rows):
     return all_reduce([mask.sum().item(), (mask.sum(-1) > 0).sum().item()])
 
 
-def micro_steps(batch, rows, token_budget, device):
-    """
-    The micro-batches of `rows` (this rank's row indices into batch), kept in step across ranks:
-    the one iterator every forward and backward pass goes through. Yields (idx, get): idx the rows
-    of the micro-batch, get(key) that tensor for them on the device, cut to their longest row.
-    An empty micro-batch comes as idx [] and get() over one row, so its collectives still run;
-    its results must be given weight 0.
-    """
-    lengths = [batch["lengths"][i] for i in rows]
-    for micro in synced_micro_batches(lengths, token_budget):
-        idx = [rows[i] for i in micro]
-        run = idx or rows[:1]
-        width = max(batch["lengths"][i] for i in run)
-
-        def get(key, run=run, width=width):
-            return batch[key][run, :width].to(device)
-        yield idx, get
-
-
-@torch.no_grad()
-def forward_all(model_fn, batch, micro_batch_tokens, device):
-    """A per-token forward function (ids, attention -> [b, l]) over all rows; [B, L] on the CPU."""
-    out = torch.zeros(batch["input_ids"].shape)
-    for idx, get in micro_steps(batch, list(range(len(batch["lengths"]))), micro_batch_tokens, device):
-        result = model_fn(get("input_ids"), get("attention_mask"))
-        if idx:
-            out[idx, :result.shape[1]] = result.float().cpu()
-    return out
-
-
 # -----------------------------------------------------------------------------
 # the update
 
-def optimizer_step(model, optimizer, scheduler, loss_sum, grad_clip):
+def get_lr(step, base_lr, warmup_steps):
+    """The learning rate at a training step: a linear warm-up over the first warmup_steps, then constant."""
+    return base_lr * min(1.0, (step + 1) / max(1, warmup_steps))
+
+
+def optimizer_step(model, optimizer, loss_sum, grad_clip):
     """Clip and step, unless the loss or the gradient norm is not finite on any rank: then the
     gradients are dropped and the step is skipped. Returns (grad_norm, skipped)."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -191,12 +118,11 @@ def optimizer_step(model, optimizer, scheduler, loss_sum, grad_clip):
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
     if finite:
         optimizer.step()
-        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, float(not finite)
 
 
-def update_policy(policy, optimizer, scheduler, batch, rows, cfg, world, device):
+def update_policy(policy, optimizer, batch, rows, cfg, world, device):
     """
     One optimizer step of the policy on a mini-batch (row indices of this rank). Returns
     (shares, globals): this rank's share of each loss statistic (they add up over ranks to the
@@ -224,11 +150,11 @@ def update_policy(policy, optimizer, scheduler, batch, rows, cfg, world, device)
         shares["clipfrac"] += pg_stats["clipfrac"].item() * n
         shares["approx_kl"] += pg_stats["approx_kl"].item() * n
         shares["entropy"] += rl.masked_sum(entropy.detach(), mask).item() / global_tokens
-    grad_norm, skipped = optimizer_step(policy, optimizer, scheduler, shares["pg_loss"], cfg.train.grad_clip)
+    grad_norm, skipped = optimizer_step(policy, optimizer, shares["pg_loss"], cfg.train.grad_clip)
     return shares, {"grad_norm": grad_norm, "skipped": skipped}
 
 
-def update_critic(critic, optimizer, scheduler, batch, rows, cfg, world, device):
+def update_critic(critic, optimizer, batch, rows, cfg, world, device):
     """One optimizer step of the critic on a mini-batch: clipped value loss, global token mean.
     Returns (shares, globals) like update_policy."""
     global_tokens, global_seqs = global_counts(batch, rows)
@@ -241,7 +167,7 @@ def update_critic(critic, optimizer, scheduler, batch, rows, cfg, world, device)
         (loss * world).backward()
         shares["vf_loss"] += loss.item()
         shares["vf_clipfrac"] += vf_stats["vf_clipfrac"].item() * mask.sum().item() / global_tokens
-    grad_norm, skipped = optimizer_step(critic, optimizer, scheduler, shares["vf_loss"], cfg.train.grad_clip)
+    grad_norm, skipped = optimizer_step(critic, optimizer, shares["vf_loss"], cfg.train.grad_clip)
     return shares, {"vf_grad_norm": grad_norm, "vf_skipped": skipped}
 
 
@@ -273,25 +199,49 @@ def imitate(policy, env, rows, demonstrate, cfg, rank, world, device):
             print0(f"warm start {step + 1:4d}/{cfg.train.warm_start_steps} | nll {loss_sum:.4f}")
 
 
-def full_tensors(model):
-    """(name, full tensor) for every parameter, all-gathered one at a time: every rank's engine
-    gets the whole model without any rank holding a second full copy at once. Tied parameters
-    are sent under each of their names: vLLM's CPU backend keeps a repacked copy of the LM head
-    that is not updated through the embedding."""
-    for name, param in model.named_parameters(remove_duplicate=False):
-        yield name, param.full_tensor() if hasattr(param, "full_tensor") else param.data
-
-
-def evaluate(engine, env, rows, cfg, rank, world):
+def evaluate(engine, env, task, rows, cfg, rank, world):
     """Greedy rollouts on this rank's share of the held-out prompts; means over all ranks."""
-    mine = rows[:cfg.eval.num_prompts][rank::world]
-    trajs = run_agent(engine, env, mine, SamplingConfig(cfg.rollout.max_new_tokens, greedy=True), cfg.rollout.max_turns, cfg.rollout.max_context_tokens)
+    trajs = run_agent(engine, env, rows[:cfg.eval.num_prompts][rank::world], SamplingConfig(cfg.rollout.max_new_tokens, greedy=True),
+                      cfg.rollout.max_turns, cfg.rollout.max_context_tokens)
     for t in trajs:
-        score_trajectory(t, cfg.reward)
-    keys = ["reward", "em", "substring_em", "f1", "turns"]
-    sums = [sum(t.reward for t in trajs)] + [sum(t.scores[k] for t in trajs) for k in keys[1:4]] + [sum(len(t.turn_spans) for t in trajs)]
-    totals = all_reduce(sums + [len(trajs)])
-    return {f"eval/{k}": v / max(totals[-1], 1) for k, v in zip(keys, totals[:-1])}
+        task.score(t, cfg)
+    keys = sorted({k for t in trajs for k in t.scores})
+    total = reduce_metrics({"reward": sum(t.reward for t in trajs), "turns": sum(len(t.turn_spans) for t in trajs), "n": len(trajs),
+                            **{k: sum(t.scores.get(k, 0.0) for t in trajs) for k in keys}}, {})
+    return {f"eval/{k}": v / max(total["n"], 1) for k, v in total.items() if k != "n"}
+
+
+def build_models(cfg, model_path, device):
+    """Policy, critic (ppo), frozen reference (with a KL term) and their AdamW optimizers, built
+    sharded from rank 0's copy of the weights. bf16 compute means the same on a CPU as on a GPU."""
+    compute_dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
+    config, weights = training_config(model_path), read_weights(model_path)
+    models = {"policy": build_policy(config, weights, device, compute_dtype, cfg.train.activation_checkpointing)}
+    if cfg.algo == "ppo":
+        models["critic"] = build_critic(config, weights, device, compute_dtype, cfg.train.activation_checkpointing)
+    ref = build_reference(config, weights, device, compute_dtype) if cfg.train.kl_mode != "none" else None
+    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=cfg.train.lr if name == "policy" else cfg.ppo.critic_lr,
+                                          weight_decay=cfg.train.weight_decay) for name, m in models.items()}
+    return models, ref, optimizers
+
+
+def step_metrics(step, trajs, batch, policy_updates, critic_updates, engine_diff, kl):
+    """The step's metrics, reduced over ranks once: this rank's shares are summed, the values every
+    rank agrees on (grad norms, skips) and the engine/trainer logprob gap are maxed."""
+    rollout = rollout_metrics(trajs)
+    policy_shares, policy_globals = mean_over_updates(policy_updates)
+    critic_shares, critic_globals = mean_over_updates(critic_updates)
+    sums = {**{k: v * len(trajs) for k, v in rollout.items()}, **policy_shares, **critic_shares, "trajectories": len(trajs),
+            "action_tokens": batch["action_mask"].sum().item(), "tokens": float(sum(batch["lengths"]))}
+    if kl is not None:
+        sums["kl"] = kl.sum().item()
+    maxes = {**policy_globals, **critic_globals, "engine_logprob_diff": engine_diff}
+    total = reduce_metrics(sums, maxes)
+    metrics = {"step": step + 1, **{k: total[k] / total["trajectories"] for k in rollout}}
+    metrics.update({k: total[k] for k in [*policy_shares, *critic_shares, *maxes, "tokens", "action_tokens"]})
+    if kl is not None:
+        metrics["kl"] = total["kl"] / max(total["action_tokens"], 1)
+    return metrics
 
 
 def mean_over_updates(results):
@@ -317,74 +267,55 @@ def main(argv=None):
     print0(format_config(cfg))
     log = MetricsLog(cfg.run_dir, to_dict(cfg), cfg.log.wandb, cfg.log.wandb_project)
 
-    # the task: prompts (checked here, before any collective), tools, demonstrations
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    train_rows, val_rows, env, demonstrate = load_task(cfg, tokenizer)
-
-    # the models, built sharded from rank 0's copy of the weights: policy, critic (ppo), frozen
-    # reference (only with a KL term). bf16 compute means the same on a CPU as on a GPU.
-    compute_dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
-    config, weights = training_config(model_path), read_weights(model_path)
-    policy = build_policy(config, weights, device, compute_dtype, cfg.train.activation_checkpointing)
-    opt_policy = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    warmup = lambda i: min(1.0, (i + 1) / max(1, cfg.train.warmup_steps))  # noqa: E731
-    models, optimizers = {"policy": policy}, {"policy": opt_policy}
-    schedulers = {"policy": torch.optim.lr_scheduler.LambdaLR(opt_policy, warmup)}
-    critic = ref = None
-    if cfg.algo == "ppo":
-        critic = build_critic(config, weights, device, compute_dtype, cfg.train.activation_checkpointing)
-        models["critic"] = critic
-        optimizers["critic"] = torch.optim.AdamW(critic.parameters(), lr=cfg.ppo.critic_lr, weight_decay=cfg.train.weight_decay)
-        schedulers["critic"] = torch.optim.lr_scheduler.LambdaLR(optimizers["critic"], warmup)
-    if cfg.train.kl_mode != "none":
-        ref = build_reference(config, weights, device, compute_dtype)
-    del weights
-
-    # the rollout engine, colocated in this process
+    # the task, the models, the rollout engine (colocated in this process)
+    task, tokenizer = load_task(cfg.data.task), AutoTokenizer.from_pretrained(model_path)
+    train_rows, val_rows, env = task_data(task, cfg, tokenizer)
+    models, ref, optimizers = build_models(cfg, model_path, device)
+    policy, critic = models["policy"], models.get("critic")
     engine = make_engine(cfg.rollout.engine, model_path, tokenizer, cfg.rollout.max_context_tokens, cfg.rollout.dtype,
                          cfg.rollout.gpu_memory_utilization, cfg.rollout.tensor_parallel_size, cfg.seed + rank)
     sampling = SamplingConfig(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p)
 
-    # resume, or warm start
-    start_step = 0
-    checkpoint = latest_checkpoint(cfg.run_dir) if cfg.resume == "auto" else None
+    # resume, or warm start by imitation; then the engine gets the policy's weights
+    start_step, checkpoint = 0, latest_checkpoint(cfg.run_dir) if cfg.resume == "auto" else None
     if checkpoint:
-        start_step, _ = load_checkpoint(checkpoint, models, optimizers, schedulers)
+        start_step, _ = load_checkpoint(checkpoint, models, optimizers)
         print0(f"resumed from {checkpoint} at step {start_step}")
     elif cfg.train.warm_start_steps:
-        if demonstrate is None:
+        if task.demonstration is None:
             raise ConfigError(f"train.warm_start_steps > 0 but data.task={cfg.data.task} has no demonstrations")
-        imitate(policy, env, train_rows, demonstrate, cfg, rank, world, device)
+        imitate(policy, env, train_rows, task.demonstration, cfg, rank, world, device)
     engine.load_weights(full_tensors(policy))
-
     if cfg.eval.every and start_step == 0:  # where RL starts from
-        metrics = {"step": 0, **evaluate(engine, env, val_rows, cfg, rank, world)}
-        print0(" | ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+        metrics = {"step": 0, **evaluate(engine, env, task, val_rows, cfg, rank, world)}
+        print0("step    0 | " + " | ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k != "step"))
         log.log(metrics)
-
     stop = {"sigterm": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
 
     for step in range(start_step, cfg.steps):
         t0 = time.perf_counter()
+        for name, optimizer in optimizers.items():
+            for group in optimizer.param_groups:
+                group["lr"] = get_lr(step, cfg.train.lr if name == "policy" else cfg.ppo.critic_lr, cfg.train.warmup_steps)
         # 1. rollout: G samples of each of this rank's prompts, multi-turn with tools
         prompts = step_prompts(train_rows, step, per_rank, rank, world, cfg.seed, cfg.data.shuffle)
-        samples = [p for p in prompts for _ in range(cfg.rollout.group_size)]
         engine.wake()
-        trajs = run_agent(engine, env, samples, sampling, cfg.rollout.max_turns, cfg.rollout.max_context_tokens,
-                          seed=cfg.seed * 100_003 + step * world + rank)
+        trajs = run_agent(engine, env, [p for p in prompts for _ in range(cfg.rollout.group_size)], sampling, cfg.rollout.max_turns,
+                          cfg.rollout.max_context_tokens, seed=cfg.seed * 100_003 + step * world + rank)
         engine.sleep()
-        # 2. rewards
+        # 2. rewards: the task scores each trajectory; rewards sit on action tokens
         for t in trajs:
-            score_trajectory(t, cfg.reward)
+            task.score(t, cfg)
         batch = collate(trajs, pad_token_id(tokenizer))
         mask = batch["action_mask"]
         rewards = token_rewards(trajs, batch, cfg.train.tool_call_reward)
         t1 = time.perf_counter()
-        # 3. old logprobs (recomputed by the trainer), reference logprobs, values
+        # 3. old logprobs (recomputed by the trainer), reference logprobs and KL
         batch["old_logprobs"] = forward_all(lambda i, a: policy_forward(policy, i, a, cfg.rollout.temperature)[0], batch,
                                             cfg.train.micro_batch_tokens, device) * mask
         engine_diff = ((batch["old_logprobs"] - batch["rollout_logprobs"]).abs() * mask).max().item()
+        kl = None
         if ref is not None:
             batch["ref_logprobs"] = forward_all(lambda i, a: policy_forward(ref, i, a, cfg.rollout.temperature)[0], batch,
                                                 cfg.train.micro_batch_tokens, device) * mask
@@ -392,7 +323,7 @@ def main(argv=None):
             if cfg.train.kl_mode == "reward":  # ppo only (config.validate): k1 on every action token
                 rewards = rewards - cfg.train.kl_coef * kl
         t2 = time.perf_counter()
-        # 4. advantages
+        # 4. advantages: masked GAE over the critic's values (ppo), or group-normalised scores (grpo)
         if cfg.algo == "ppo":
             batch["values"] = forward_all(lambda i, a: critic_forward(critic, i, a), batch, cfg.train.micro_batch_tokens, device) * mask
             advantages, batch["returns"] = rl.masked_gae(rewards, batch["values"], mask, cfg.ppo.gamma, cfg.ppo.lam)
@@ -402,51 +333,35 @@ def main(argv=None):
                 var = (sq - n * mean ** 2) / max(n - 1, 1)
                 advantages = (advantages - mean) / math.sqrt(var + 1e-8) * mask
         else:
-            scores = rewards.sum(-1)  # outcome + process rewards of each trajectory
             groups = torch.arange(len(prompts)).repeat_interleave(cfg.rollout.group_size)
-            advantages = rl.grpo_advantages(scores, groups, cfg.grpo.eps, cfg.grpo.scale_by_std)[:, None] * mask
+            advantages = rl.grpo_advantages(rewards.sum(-1), groups, cfg.grpo.eps, cfg.grpo.scale_by_std)[:, None] * mask
         batch["advantages"] = advantages
-        # 5. PPO epochs over mini-batches
+        # 5. PPO epochs over mini-batches: critic, then policy (after the critic's warm-up)
         policy_updates, critic_updates = [], []
-        rows_per_mini = cfg.ppo.mini_batch_size // world
-        order_rng = random.Random(f"{cfg.seed}-{step}-{rank}")
+        rows_per_mini, order_rng = cfg.ppo.mini_batch_size // world, random.Random(f"{cfg.seed}-{step}-{rank}")
         for epoch in range(cfg.ppo.epochs):
             order = list(range(len(trajs)))
             order_rng.shuffle(order)
             for s in range(0, len(order), rows_per_mini):
                 rows = order[s:s + rows_per_mini]
                 if critic is not None:
-                    critic_updates.append(update_critic(critic, optimizers["critic"], schedulers["critic"], batch, rows, cfg, world, device))
+                    critic_updates.append(update_critic(critic, optimizers["critic"], batch, rows, cfg, world, device))
                 if cfg.algo != "ppo" or step >= cfg.ppo.critic_warmup_steps:
-                    policy_updates.append(update_policy(policy, opt_policy, schedulers["policy"], batch, rows, cfg, world, device))
+                    policy_updates.append(update_policy(policy, optimizers["policy"], batch, rows, cfg, world, device))
         t3 = time.perf_counter()
-        # 6. the new weights into the engine
+        # 6. the new weights into the engine; one line of metrics
         engine.wake(["weights"])
         engine.load_weights(full_tensors(policy))
         engine.wake(["kv_cache"])
         t4 = time.perf_counter()
-
-        # metrics, reduced over ranks once: sums of this rank's shares, and maxes
-        rollout = rollout_metrics(trajs)
-        policy_shares, policy_globals = mean_over_updates(policy_updates)
-        critic_shares, critic_globals = mean_over_updates(critic_updates)
-        sums = {**{k: v * len(trajs) for k, v in rollout.items()}, **policy_shares, **critic_shares,
-                "trajectories": len(trajs), "action_tokens": mask.sum().item(), "tokens": float(sum(batch["lengths"]))}
-        if ref is not None:
-            sums["kl"] = kl.sum().item()
-        maxes = {**policy_globals, **critic_globals, "engine_logprob_diff": engine_diff}  # globals: the same on every rank
-        total = reduce_metrics(sums, maxes)
-        metrics = {"step": step + 1, **{k: total[k] / total["trajectories"] for k in rollout}}
-        metrics.update({k: total[k] for k in [*policy_shares, *critic_shares, *maxes]})
-        if ref is not None:
-            metrics["kl"] = total["kl"] / max(total["action_tokens"], 1)
-        metrics.update({"lr": schedulers["policy"].get_last_lr()[0], "time/rollout": t1 - t0, "time/forward": t2 - t1,
-                        "time/update": t3 - t2, "time/push": t4 - t3, "time/step": t4 - t0,
-                        "tokens_per_s": total["tokens"] / (t4 - t0), "action_tokens_per_s": total["action_tokens"] / (t4 - t0)})
+        metrics = step_metrics(step, trajs, batch, policy_updates, critic_updates, engine_diff, kl)
+        metrics.update({"lr": get_lr(step, cfg.train.lr, cfg.train.warmup_steps), "time/rollout": t1 - t0, "time/forward": t2 - t1,
+                        "time/update": t3 - t2, "time/push": t4 - t3, "time/step": t4 - t0, "tokens_per_s": metrics.pop("tokens") / (t4 - t0),
+                        "action_tokens_per_s": metrics.pop("action_tokens") / (t4 - t0)})
         if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.steps):
-            metrics.update(evaluate(engine, env, val_rows, cfg, rank, world))
-        print0(f"step {step + 1:4d}/{cfg.steps} | reward {metrics['reward']:.3f} | em {metrics.get('em', 0):.3f} | "
-               f"turns {metrics['turns']:.2f} | resp {metrics['response_tokens']:.0f} | kl {metrics.get('kl', metrics.get('approx_kl', 0)):.4f} | "
+            metrics.update(evaluate(engine, env, task, val_rows, cfg, rank, world))
+        print0(f"step {step + 1:4d}/{cfg.steps} | reward {metrics['reward']:.3f} | turns {metrics['turns']:.2f} | "
+               f"resp {metrics['response_tokens']:.0f} | kl {metrics.get('kl', metrics.get('approx_kl', 0)):.4f} | "
                f"clip {metrics.get('clipfrac', 0):.3f} | ent {metrics.get('entropy', 0):.3f} | gnorm {metrics.get('grad_norm', 0):.3f} | "
                f"skip {metrics.get('skipped', 0):.2f} | rollout {t1 - t0:.1f}s fwd {t2 - t1:.1f}s upd {t3 - t2:.1f}s push {t4 - t3:.2f}s | "
                f"{metrics['tokens_per_s']:.0f} tok/s" + (f" | eval {metrics['eval/reward']:.3f}" if "eval/reward" in metrics else ""))
@@ -454,18 +369,16 @@ def main(argv=None):
 
         # checkpoints: every save_every steps, at the end, and when asked to stop (SIGTERM on any rank)
         [sigterm] = all_reduce([float(stop["sigterm"])])
-        last = step + 1 == cfg.steps
-        if sigterm or last or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
-            path = save_checkpoint(cfg.run_dir, step + 1, models, optimizers, schedulers, {"data_position": (step + 1) * cfg.rollout.prompts_per_step})
+        if sigterm or step + 1 == cfg.steps or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
+            path = save_checkpoint(cfg.run_dir, step + 1, models, optimizers, {"data_position": (step + 1) * cfg.rollout.prompts_per_step})
             print0(f"checkpoint: {path}")
         if sigterm:
             print0("SIGTERM: checkpoint written, stopping")
             break
 
     export_dir = os.path.join(cfg.run_dir, "hf")
-    export_hf(policy, tokenizer, export_dir, compute_dtype)
+    export_hf(policy, tokenizer, export_dir, torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32)
     print0(f"exported {export_dir} in {cfg.train.dtype}, every tensor checked against the trainer's")
-    torch.distributed.barrier()
     return 0
 
 

@@ -17,9 +17,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import train  # noqa: E402
 from nanoagent.common import median_time  # noqa: E402
-from nanoagent.hotpotqa import qa_row  # noqa: E402
+from nanoagent.data import step_prompts  # noqa: E402
+from nanoagent.tasks.hotpotqa import qa_row  # noqa: E402
 from nanoagent.tiny import ensure_tiny_model  # noqa: E402
 from nanoagent.tools import ToolEnv, search_tool  # noqa: E402
 
@@ -41,7 +41,7 @@ def main():
     rows = [{"id": i} for i in range(100_000)]
     per_rank, world = 16, 8
     steps = iter(range(10**6))
-    now = median_time(lambda: train.step_prompts(rows, next(steps), per_rank, 3, world, 0, True), repeats=20)
+    now = median_time(lambda: step_prompts(rows, next(steps), per_rank, 3, world, 0, True), repeats=20)
     before = median_time(lambda: step_prompts_before(rows, next(steps), per_rank, 3, world, 0, True), repeats=3)
     print(f"step_prompts, {len(rows):,} rows, {per_rank} prompts per rank x {world} ranks: {now * 1e3:.2f} ms per step "
           f"(before: {before:.2f} s; {before / now:,.0f}x)")

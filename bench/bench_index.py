@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 import build_index  # noqa: E402
 from nanoagent.common import median_time  # noqa: E402
 from nanoagent.retriever import IndexRetriever, encode, load_encoder, packaged_minilm_path, passage_text  # noqa: E402
-from nanoagent.synthetic import synthetic_task  # noqa: E402
+from nanoagent.tasks.synthetic import make_split  # noqa: E402
 
 HOTPOTQA_PASSAGES = 5_233_329
 HOTPOTQA_WORDS = 46
@@ -42,7 +42,7 @@ HOTPOTQA_WORDS = 46
 def hotpotqa_length_passages(n):
     """n passages of >= 46 words, made by joining synthetic passages (a big enough world)."""
     scale = max(1, n // 60)
-    train, val, corpus = synthetic_task(seed=0, people=200 * scale, companies=40 * scale, cities=50 * scale, countries=10 * scale)
+    train, val, corpus = make_split(seed=0, people=200 * scale, companies=40 * scale, cities=50 * scale, countries=10 * scale)
     out, words, texts = [], 0, []
     for p in corpus:
         texts.append(p["text"])

@@ -2,8 +2,8 @@
 Checkpoints: sharded for exact resume, and a Hugging Face export for chat.py / rollout.py / vLLM.
 
 Sharded: torch.distributed.checkpoint (DCP) writes each rank's shards of the policy, the critic and
-their optimizers in parallel; a small per-rank file holds the step, the data position, the
-schedulers and the RNG states. resume=auto takes the highest complete step.
+their optimizers in parallel; a small per-rank file holds the step, the data position and the RNG
+states (the learning rate is a function of the step). resume=auto takes the highest complete step.
 
 Every save (a checkpoint `checkpoints/step_XXXXXX`, the export `hf`) replaces its folder so that a
 kill at any instant leaves one complete copy: it is written into `<folder>.tmp`, an existing
@@ -78,10 +78,10 @@ def _set_rng_state(state):
     torch.set_rng_state(state["torch"])
 
 
-def save_checkpoint(run_dir, step, models, optimizers, schedulers, extra):
+def save_checkpoint(run_dir, step, models, optimizers, extra):
     """
-    models / optimizers / schedulers: dicts by name ("policy", "critic"); optimizers[name] belongs
-    to models[name]. extra: small picklable state (data position, ...). Collective: all ranks call.
+    models / optimizers: dicts by name ("policy", "critic"); optimizers[name] belongs to
+    models[name]. extra: small picklable state (data position, ...). Collective: all ranks call.
     """
     rank = dist.get_rank()
     folder = os.path.join(run_dir, "checkpoints")
@@ -99,8 +99,7 @@ def save_checkpoint(run_dir, step, models, optimizers, schedulers, extra):
         state[f"{name}/model"] = get_model_state_dict(model)
         state[f"{name}/optim"] = get_optimizer_state_dict(model, optimizers[name])
     dcp.save(state, checkpoint_id=final + ".tmp")
-    torch.save({"step": step, "extra": extra, "rng": _rng_state(),
-                "schedulers": {k: s.state_dict() for k, s in schedulers.items()}}, os.path.join(final + ".tmp", f"rank{rank}.pt"))
+    torch.save({"step": step, "extra": extra, "rng": _rng_state()}, os.path.join(final + ".tmp", f"rank{rank}.pt"))
     dist.barrier()
     if rank == 0:
         _move_into_place(final)
@@ -108,7 +107,7 @@ def save_checkpoint(run_dir, step, models, optimizers, schedulers, extra):
     return final
 
 
-def load_checkpoint(path, models, optimizers, schedulers):
+def load_checkpoint(path, models, optimizers):
     """Restore everything save_checkpoint wrote; returns (step, extra). Collective."""
     state = {}
     for name, model in models.items():
@@ -122,8 +121,6 @@ def load_checkpoint(path, models, optimizers, schedulers):
     if not os.path.exists(rank_file):
         raise RuntimeError(f"{path} was written by fewer ranks than this run has ({rank_file} is missing); resume with the same world size")
     saved = torch.load(rank_file, weights_only=False)
-    for k, s in schedulers.items():
-        s.load_state_dict(saved["schedulers"][k])
     _set_rng_state(saved["rng"])
     return saved["step"], saved["extra"]
 

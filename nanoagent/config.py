@@ -16,6 +16,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
+from nanoagent.tasks import task_names
+
 
 def opt(default, help):
     """A config field: its default and one line of help (shown by --help and the README reference)."""
@@ -24,7 +26,7 @@ def opt(default, help):
 
 @dataclass
 class DataConfig:
-    task: Literal["arithmetic", "synthetic", "hotpotqa"] = opt("hotpotqa", "task: decides the prompts, tools and reward (arithmetic: generated, offline; synthetic and hotpotqa: prepare_data.py + build_index.py)")
+    task: str = opt("hotpotqa", "a task in nanoagent/tasks/ (arithmetic, synthetic, hotpotqa) or a path to a task file: its prompts, tools, reward and demonstrations")
     train_path: str = opt("data/hotpotqa/train.parquet", "training prompts (parquet from prepare_data.py)")
     val_path: str = opt("data/hotpotqa/val.parquet", "held-out prompts for evaluation")
     index_dir: str = opt("data/hotpotqa/index", "search index from build_index.py")
@@ -78,7 +80,7 @@ class GRPOConfig:
 class TrainConfig:
     lr: float = opt(1e-6, "policy learning rate")
     weight_decay: float = opt(0.01, "AdamW weight decay")
-    warmup_steps: int = opt(0, "linear learning-rate warm-up, in optimizer steps")
+    warmup_steps: int = opt(0, "linear learning-rate warm-up over the first N training steps")
     grad_clip: float = opt(1.0, "max gradient norm")
     micro_batch_tokens: int = opt(16384, "token budget of one forward/backward micro-batch per rank")
     loss_agg: Literal["token_mean", "seq_mean"] = opt("token_mean", "how per-token losses become one scalar")
@@ -262,6 +264,8 @@ def validate(cfg):
         if not ok:
             raise ConfigError(msg)
     need(cfg.steps >= 0, f"steps={cfg.steps}: must be >= 0")
+    need(cfg.data.task in task_names() or cfg.data.task.endswith(".py"),
+         f"data.task={cfg.data.task!r}: not a task; valid: {', '.join(task_names())}, or a path to a task file (.py)")
     need(cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")
     need(cfg.rollout.group_size >= 1, "rollout.group_size must be >= 1")
     need(cfg.algo != "grpo" or cfg.rollout.group_size >= 2,

@@ -1,12 +1,16 @@
 """
-Prompt files. One row per task instance: `id`, `messages` (the chat prompt, a list of
+Prompts: the files they live in, the check that a run can train on them, and the order a run
+takes them in. One row per task instance: `id`, `messages` (the chat prompt, a list of
 {role, content}; stored as JSON text in parquet) and `answers` (gold answers, may be empty).
 Both parquet (what prepare_data.py writes) and JSONL are read.
 """
 
 import json
 import os
-import random
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from nanoagent.common import print0
 
@@ -18,7 +22,6 @@ def load_prompts(path, limit=0):
     if not os.path.exists(path):
         raise FileNotFoundError(f"prompt file {path!r} does not exist (write it with prepare_data.py)")
     if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
         rows = pq.read_table(path).to_pylist()
     elif path.endswith(".jsonl"):
         with open(path) as f:
@@ -56,47 +59,20 @@ def fit_prompts(rows, lengths, max_tokens, bad_prompts, source):
     return kept
 
 
-# -----------------------------------------------------------------------------
-# arithmetic: an offline task whose answer needs a tool (the tiny preset, the warm start)
-
-ARITHMETIC_SYSTEM = "Use the calculator, then give the final answer as <answer>number</answer>."
-ARITHMETIC_PHRASINGS = ("What is {a} * {b}?", "Compute {a} * {b}.")  # the numbers at the same place from the end
-
-
-def arithmetic_pairs(seed, split):
-    """The operand pairs of a split: a, b in 3..9 (products of two digits, which a tiny model
-    cannot compute but the calculator can), with a quarter of the 49 pairs held out for "val" so
-    held-out questions are ones the model never trained on."""
-    pairs = [(a, b) for a in range(3, 10) for b in range(3, 10)]
-    random.Random(f"arithmetic-{seed}").shuffle(pairs)
-    held_out = len(pairs) // 4
-    return pairs[:held_out] if split == "val" else pairs[held_out:]
+def write_prompts(out, splits):
+    """{split: rows} -> OUT/<split>.parquet (messages as JSON text), which load_prompts reads back.
+    The same rows give the same bytes."""
+    for split, rows in splits.items():
+        path = os.path.join(out, f"{split}.parquet")
+        pq.write_table(pa.Table.from_pylist([{**r, "messages": json.dumps(r["messages"])} for r in rows]), path)
+        print(f"wrote {len(rows)} prompts to {path}")
 
 
-def arithmetic_task(n, seed=0, split="train"):
-    """n prompts "multiply two numbers": reward needs the calculator, called with the question's
-    numbers, and copying its result. Deterministic in (seed, split)."""
-    pairs = arithmetic_pairs(seed, split)
-    rng = random.Random(f"arithmetic-{seed}-{split}")
-    rows = []
-    for i in range(n):
-        a, b = pairs[rng.randrange(len(pairs))]
-        phrasing = i % len(ARITHMETIC_PHRASINGS)
-        question = ARITHMETIC_PHRASINGS[phrasing].format(a=a, b=b)
-        rows.append({"id": f"{split}-{i}", "answers": [str(a * b)], "a": a, "b": b, "phrasing": phrasing,
-                     "messages": [{"role": "system", "content": ARITHMETIC_SYSTEM}, {"role": "user", "content": question}]})
-    return rows
-
-
-def arithmetic_demonstration(row, rng):
-    """
-    Scripted assistant turns for a warm start by imitation, deliberately imperfect so RL has room:
-    the demonstrator uses the calculator on 60% of the first phrasing and 20% of the second, and
-    otherwise guesses without a tool: a + b, never the product for a, b >= 3. Imitation leaves a
-    greedy policy that often guesses; RL has to learn that the calculator pays on both phrasings.
-    """
-    use_tool = rng.random() < (0.6 if row["phrasing"] == 0 else 0.2)
-    if not use_tool:
-        return [f"<answer>{row['a'] + row['b']}</answer>"]
-    call = json.dumps({"name": "calculator", "arguments": {"expression": f"{row['a']} * {row['b']}"}})
-    return [f"<tool_call>\n{call}\n</tool_call>", f"<answer>{row['a'] * row['b']}</answer>"]
+def step_prompts(rows, step, per_rank, rank, world, seed, shuffle):
+    """The prompts of one training step for one rank: a deterministic function of the step (the
+    data position is step x prompts per step, so a resumed run continues where it stopped), in an
+    order drawn anew every epoch: one permutation per epoch, not per prompt (100k rows: ~2 ms)."""
+    start = (step * world + rank) * per_rank
+    epochs, indices = np.divmod(np.arange(start, start + per_rank), len(rows))
+    orders = {e: np.random.default_rng([seed, e]).permutation(len(rows)) if shuffle else np.arange(len(rows)) for e in set(epochs.tolist())}
+    return [rows[orders[e][i]] for e, i in zip(epochs.tolist(), indices.tolist())]

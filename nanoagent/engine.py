@@ -20,10 +20,12 @@ the very tokens that were sampled (decode -> re-encode is lossy). Logprobs are t
 distribution actually sampled from (after temperature), which is what the trainer recomputes.
 """
 
+import importlib.util
 import os
 from dataclasses import dataclass
 
 import torch
+from transformers import AutoModelForCausalLM
 
 
 @dataclass
@@ -131,7 +133,6 @@ class HFEngine:
     Holds its own copy of the weights, which sleep() moves to the CPU while the trainer updates."""
 
     def __init__(self, model_path, stop_ids, pad_id, dtype="bfloat16", device=None, seed=0):
-        from transformers import AutoModelForCausalLM
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device).eval()
         self.stop_ids = list(stop_ids)
@@ -229,7 +230,6 @@ def make_engine(kind, model_path, tokenizer, max_model_len, dtype="bfloat16", gp
                 tensor_parallel_size=1, seed=0):
     """The engine the config asks for. 'auto' is vLLM where it is installed, else the fallback;
     'vllm' refuses clearly when vLLM is not installed."""
-    import importlib.util
     stop_ids = stop_token_ids(tokenizer)
     has_vllm = importlib.util.find_spec("vllm") is not None
     if kind == "auto":

@@ -26,7 +26,8 @@ and with the action mask of the same row.
 
 Rows are right-padded to the longest row of their micro-batch; micro-batches are built under a
 token budget (rows x longest row) after sorting by length, so similar lengths share a micro-batch
-and little is spent on padding.
+and little is spent on padding, and every rank runs the same number of them (FSDP's forward and
+backward are collectives).
 """
 
 import torch
@@ -37,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from nanoagent.common import all_reduce
 from nanoagent.rl import logprobs_and_entropy
 
 
@@ -185,6 +187,80 @@ def pad_rows(rows, pad_value, dtype=torch.long):
     for i, r in enumerate(rows):
         out[i, :len(r)] = torch.as_tensor(r, dtype=dtype)
     return out
+
+
+def collate(trajs, pad_id):
+    """
+    Trajectories -> a batch of rows `prompt | response` right-padded to [B, L]. action_mask and
+    rollout_logprobs are laid over the whole row (0 on the prompt and padding), so every
+    per-token tensor shares one index.
+    """
+    rows = [t.prompt_ids + t.response_ids for t in trajs]
+    return {
+        "input_ids": pad_rows(rows, pad_id),
+        "attention_mask": pad_rows([[1] * len(r) for r in rows], 0),
+        "action_mask": pad_rows([[0] * len(t.prompt_ids) + t.action_mask for t in trajs], 0, torch.float32),
+        "rollout_logprobs": pad_rows([[0.0] * len(t.prompt_ids) + t.rollout_logprobs for t in trajs], 0.0, torch.float32),
+        "lengths": [len(r) for r in rows],
+    }
+
+
+def synced_micro_batches(lengths, token_budget):
+    """
+    micro_batches(), with the same count on every rank: each FSDP forward and backward is a
+    collective, so a rank with fewer micro-batches would leave the others waiting forever. Short
+    ranks split their largest micro-batches, then add empty ones ([]), which callers run as a
+    zero-weight pass over one row.
+    """
+    batches = micro_batches(lengths, token_budget)
+    [count] = all_reduce([len(batches)], "max")
+    while len(batches) < count:
+        largest = max(range(len(batches)), key=lambda b: len(batches[b]))
+        if len(batches[largest]) > 1:
+            half = len(batches[largest]) // 2
+            batches[largest:largest + 1] = [batches[largest][:half], batches[largest][half:]]
+        else:
+            batches.append([])
+    return batches
+
+
+def micro_steps(batch, rows, token_budget, device):
+    """
+    The micro-batches of `rows` (this rank's row indices into batch), kept in step across ranks:
+    the one iterator every forward and backward pass goes through. Yields (idx, get): idx the rows
+    of the micro-batch, get(key) that tensor for them on the device, cut to their longest row.
+    An empty micro-batch comes as idx [] and get() over one row, so its collectives still run;
+    its results must be given weight 0.
+    """
+    lengths = [batch["lengths"][i] for i in rows]
+    for micro in synced_micro_batches(lengths, token_budget):
+        idx = [rows[i] for i in micro]
+        run = idx or rows[:1]
+        width = max(batch["lengths"][i] for i in run)
+
+        def get(key, run=run, width=width):
+            return batch[key][run, :width].to(device)
+        yield idx, get
+
+
+@torch.no_grad()
+def forward_all(model_fn, batch, micro_batch_tokens, device):
+    """A per-token forward function (ids, attention -> [b, l]) over all rows; [B, L] on the CPU."""
+    out = torch.zeros(batch["input_ids"].shape)
+    for idx, get in micro_steps(batch, list(range(len(batch["lengths"]))), micro_batch_tokens, device):
+        result = model_fn(get("input_ids"), get("attention_mask"))
+        if idx:
+            out[idx, :result.shape[1]] = result.float().cpu()
+    return out
+
+
+def full_tensors(model):
+    """(name, full tensor) for every parameter, all-gathered one at a time: every rank's engine
+    gets the whole model without any rank holding a second full copy at once. Tied parameters
+    are sent under each of their names: vLLM's CPU backend keeps a repacked copy of the LM head
+    that is not updated through the embedding."""
+    for name, param in model.named_parameters(remove_duplicate=False):
+        yield name, param.full_tensor() if hasattr(param, "full_tensor") else param.data
 
 
 def policy_forward(model, input_ids, attention_mask, temperature=1.0):

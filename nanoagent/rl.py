@@ -33,23 +33,6 @@ def masked_mean(x, mask, dim=None):
     return masked_sum(x, mask, dim) / mask.sum(dim).clamp(min=1)
 
 
-def masked_var(x, mask, unbiased=True):
-    """Variance of x over mask = 1 (a scalar), with Bessel's correction by default."""
-    n = mask.sum()
-    mean = masked_sum(x, mask) / n.clamp(min=1)
-    sq = masked_sum((x - mean) ** 2, mask)
-    return sq / (n - 1).clamp(min=1) if unbiased else sq / n.clamp(min=1)
-
-
-def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
-    """(x - mean) / std over mask = 1; zero where mask = 0. shift_mean=False keeps the mean."""
-    mean = masked_mean(x, mask)
-    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + eps)
-    if not shift_mean:
-        whitened = whitened + mean
-    return whitened * mask
-
-
 # -----------------------------------------------------------------------------
 # advantages
 
@@ -147,18 +130,17 @@ def clipped_value_loss(values, old_values, returns, mask, clip_range=0.2):
 def kl_penalty(logprobs, ref_logprobs, estimator="k3"):
     """
     Per-token estimators of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL"):
-    k1 = log(pi/ref) (unbiased, high variance, can be negative), k2 = 0.5 * log(pi/ref)^2,
-    k3 = ref/pi - 1 - log(ref/pi) (unbiased, always >= 0); the log-ratio is clamped before exp.
+    k1 = log(pi/ref) (unbiased, high variance, can be negative; PPO's penalty in the reward),
+    k3 = ref/pi - 1 - log(ref/pi) (unbiased, always >= 0; GRPO's loss term); the log-ratio is
+    clamped before exp.
     """
     log_ratio = logprobs - ref_logprobs
     if estimator == "k1":
         return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio ** 2
     if estimator == "k3":
         neg = (-log_ratio).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         return torch.exp(neg) - 1.0 - neg
-    raise ValueError(f"unknown KL estimator {estimator!r}; valid: k1, k2, k3")
+    raise ValueError(f"unknown KL estimator {estimator!r}; valid: k1, k3")
 
 
 def truncated_is_weights(trainer_logprobs, rollout_logprobs, mask, cap=2.0):

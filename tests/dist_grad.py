@@ -68,8 +68,7 @@ def main():
     shard(model)
     before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
-    shares, _ = train.update_policy(model, optimizer, scheduler, data, list(range(rank, len(rows), world)), cfg, world, torch.device("cpu"))
+    shares, _ = train.update_policy(model, optimizer, data, list(range(rank, len(rows), world)), cfg, world, torch.device("cpu"))
     grads = {n: before[n] - p.full_tensor() for n, p in model.named_parameters()}
     metrics = reduce_metrics(shares, {})  # what train.py logs
     if rank == 0:

@@ -16,11 +16,11 @@ one by one; DCP and transformers ignore the folder): deleting it then takes ~60 
 of a save, as with a large model.
 
 The state is a deterministic function of the step: step k is the tiny model (sharded with
-nanoagent.model.shard) after k AdamW steps with fixed gradients, a LambdaLR schedule, and the
+nanoagent.model.shard) after k AdamW steps with fixed gradients and a learning rate set per step, and the
 RNGs seeded with k. So a resumed state can be checked exactly, against a replay from step 0.
 
 A life:
-  1. resume from latest_checkpoint, if any, and check that model, optimizer, scheduler, RNGs and
+  1. resume from latest_checkpoint, if any, and check that model, optimizer, RNGs and
      extra state are exactly those of its step S (0: nothing to resume);
   2. check that the export, if any, loads and holds the weights of a step <= S (in bf16);
   3. save step S again and export it (replacing complete folders: what rmtree-then-rename lost),
@@ -70,25 +70,24 @@ def seed(step):
 def build(model_dir):
     model = shard(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1 / (1 + i))
-    return model, optimizer, scheduler
+    return model, optimizer
 
 
-def advance(model, optimizer, scheduler, step):
+def advance(model, optimizer, step):
     """From the state of step-1 to the state of step."""
     for param in model.parameters():
         param.grad = torch.cos(param.detach() * step)  # fixed gradients that differ from step to step
+    for group in optimizer.param_groups:
+        group["lr"] = 1e-2 / step  # as train.py sets get_lr(step) before each step
     optimizer.step()
-    scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     seed(step)
 
 
-def full_state(model, optimizer, scheduler):
+def full_state(model, optimizer):
     options = StateDictOptions(full_state_dict=True)
     return {"model": get_model_state_dict(model, options=options),
-            "optimizer": get_optimizer_state_dict(model, optimizer, options=options),
-            "scheduler": scheduler.state_dict()}
+            "optimizer": get_optimizer_state_dict(model, optimizer, options=options)}
 
 
 def first_difference(a, b, where=""):
@@ -108,12 +107,12 @@ def first_difference(a, b, where=""):
     return None if same else where or "value"
 
 
-def check_resume(run_dir, model_dir, model, optimizer, scheduler):
+def check_resume(run_dir, model_dir, model, optimizer):
     """Steps 1 and 2 of a life; returns the step resumed from (0: none)."""
     checkpoint = latest_checkpoint(run_dir)
     start = 0
     if checkpoint:
-        start, extra = load_checkpoint(checkpoint, {"policy": model}, {"policy": optimizer}, {"policy": scheduler})
+        start, extra = load_checkpoint(checkpoint, {"policy": model}, {"policy": optimizer})
         draws = (random.random(), np.random.rand(), torch.rand(1).item())
         seed(start)
         if draws != (random.random(), np.random.rand(), torch.rand(1).item()) or extra != {"step": start}:
@@ -124,7 +123,7 @@ def check_resume(run_dir, model_dir, model, optimizer, scheduler):
         advance(*replay, step)
         exports[step] = {name: tensor.to(torch.bfloat16) for name, tensor in full_state(*replay)["model"].items()}
     if checkpoint:
-        where = first_difference(full_state(model, optimizer, scheduler), full_state(*replay))
+        where = first_difference(full_state(model, optimizer), full_state(*replay))
         if where:
             raise AssertionError(f"{checkpoint} does not hold the state of step {start}: {where} differs")
     print(f"resumed {start}", flush=True)
@@ -146,15 +145,15 @@ def life(run_dir, model_dir, steps):
     print(f"pid {os.getpid()}", flush=True)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model, optimizer, scheduler = build(model_dir)
-    start = check_resume(run_dir, model_dir, model, optimizer, scheduler)
+    model, optimizer = build(model_dir)
+    start = check_resume(run_dir, model_dir, model, optimizer)
     seed(start)
     for step in ([start] if start else []) + list(range(start + 1, start + 1 + steps)):
         if step > start:
-            advance(model, optimizer, scheduler, step)
+            advance(model, optimizer, step)
         print(f"begin checkpoint {step}", flush=True)
         t0 = time.perf_counter()
-        checkpoint = save_checkpoint(run_dir, step, {"policy": model}, {"policy": optimizer}, {"policy": scheduler}, {"step": step})
+        checkpoint = save_checkpoint(run_dir, step, {"policy": model}, {"policy": optimizer}, {"step": step})
         print(f"end checkpoint {step} {time.perf_counter() - t0:.4f}", flush=True)
         add_ballast(checkpoint)
         print(f"begin export {step}", flush=True)

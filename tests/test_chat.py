@@ -100,8 +100,8 @@ def test_panels_show_reasoning_calls_results_errors_and_answer(env):
 
 @pytest.mark.slow
 def test_question_answers_once_through_a_tool_call(chat_model):
-    proc = subprocess.run(CHAT + ["--model", chat_model, "--tools", "calculator", "--system", SYSTEM, "--engine", "vllm",
-                                  "--question", QUESTION], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(CHAT + ["--model", chat_model, "--system", SYSTEM, "--engine", "vllm", "--question", QUESTION,
+                                  "data.task=arithmetic"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout  # a pipe: plain text, no colour codes, nothing but the panels
     assert "\x1b[" not in out and out.lstrip().startswith("╭─ tool call")
@@ -144,7 +144,7 @@ def exit_status(pid, timeout=60):
 @pytest.mark.slow
 @pytest.mark.parametrize("leave", [b"\x04", b"\x03"], ids=["ctrl-d", "ctrl-c"])
 def test_interactive_chat_in_a_terminal(chat_model, leave):
-    pid, fd = spawn_chat("--model", chat_model, "--tools", "calculator", "--system", SYSTEM, "--engine", "hf")
+    pid, fd = spawn_chat("--model", chat_model, "--system", SYSTEM, "--engine", "hf", "data.task=arithmetic")
     try:
         assert "you>" in read_until(fd, "you>")
         os.write(fd, QUESTION.encode() + b"\n")
@@ -194,5 +194,5 @@ def test_model_without_chat_template_is_refused(tiny_model_dir, tmp_path, capsys
         if name.startswith("tokenizer") or name.endswith(".jinja"):
             os.remove(model / name)
     tokenizer.save_pretrained(model)
-    status, err = main_fails(["--model", str(model), "--tools", "calculator", "--question", "hi"], capsys)
+    status, err = main_fails(["--model", str(model), "--question", "hi", "data.task=arithmetic"], capsys)
     assert status == 2 and "no chat template" in err

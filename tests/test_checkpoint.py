@@ -131,39 +131,39 @@ LEFTOVERS = {
 
 @pytest.mark.parametrize("moment", LEFTOVERS)
 def test_readers_cope_with_what_a_kill_leaves(moment, tmp_path, tiny_model_dir, world_of_one):
-    model, optimizer, scheduler = build(tiny_model_dir)
+    model, optimizer = build(tiny_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     run_dir = tmp_path / "run"
-    models, optimizers, schedulers = {"policy": model}, {"policy": optimizer}, {"policy": scheduler}
+    models, optimizers = {"policy": model}, {"policy": optimizer}
     for step in (1, 2):
-        advance(model, optimizer, scheduler, step)
-        save_checkpoint(str(run_dir), step, models, optimizers, schedulers, {"step": step})
+        advance(model, optimizer, step)
+        save_checkpoint(str(run_dir), step, models, optimizers, {"step": step})
         export_hf(model, tokenizer, str(run_dir / "hf"), torch.bfloat16)
-    step2 = full_state(model, optimizer, scheduler)
-    advance(model, optimizer, scheduler, 3)  # moves on, so that the load below must bring step 2 back
+    step2 = full_state(model, optimizer)
+    advance(model, optimizer, 3)  # moves on, so that the load below must bring step 2 back
 
     operations, complete = LEFTOVERS[moment]
     for operation, source, target in operations:
         {"partial": make_partial, "copy": shutil.copytree, "move": os.rename}[operation](run_dir / source, run_dir / target)
     path = latest_checkpoint(str(run_dir))
     assert path == str(run_dir / "checkpoints" / complete)
-    assert load_checkpoint(path, models, optimizers, schedulers) == (2, {"step": 2})
-    resumed = full_state(model, optimizer, scheduler)
+    assert load_checkpoint(path, models, optimizers) == (2, {"step": 2})
+    resumed = full_state(model, optimizer)
     for name in step2["model"]:
         assert torch.equal(resumed["model"][name], step2["model"][name]), name
-    assert resumed["scheduler"] == step2["scheduler"]
+    assert resumed["optimizer"]["param_groups"] == step2["optimizer"]["param_groups"]
 
     # the next save and export put back what was moved aside and delete what is partial
-    advance(model, optimizer, scheduler, 3)
-    save_checkpoint(str(run_dir), 3, models, optimizers, schedulers, {"step": 3})
+    advance(model, optimizer, 3)
+    save_checkpoint(str(run_dir), 3, models, optimizers, {"step": 3})
     export_hf(model, tokenizer, str(run_dir / "hf"), torch.bfloat16)
     assert sorted(os.listdir(run_dir)) == ["checkpoints", "hf"]
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["step_000001", "step_000002", "step_000003"]
-    assert load_checkpoint(str(run_dir / "checkpoints" / "step_000002"), models, optimizers, schedulers) == (2, {"step": 2})
+    assert load_checkpoint(str(run_dir / "checkpoints" / "step_000002"), models, optimizers) == (2, {"step": 2})
 
 
 def test_export_is_in_the_training_dtype_and_checked_tensor_by_tensor(tmp_path, tiny_model_dir, world_of_one):
-    model, _, _ = build(tiny_model_dir)
+    model, _ = build(tiny_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     name = "model.layers.1.mlp.down_proj.weight"

@@ -1,4 +1,4 @@
-"""prepare_data.py: HotpotQA from files in its original JSON format, and the synthetic world."""
+"""prepare_data.py and the tasks' prompts: HotpotQA from files in its original JSON format, the synthetic world."""
 
 import json
 import os
@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from nanoagent.data import load_prompts
-from nanoagent.hotpotqa import SEARCH_SYSTEM, load_hotpotqa
-from nanoagent.synthetic import make_world, passages, questions, synthetic_demonstration, synthetic_task
+from nanoagent.tasks.hotpotqa import SYSTEM_PROMPT, hotpotqa_row, load_hotpotqa
+from nanoagent.tasks.synthetic import demonstration, make_split, make_world, passages, questions
 from nanoagent.tools import parse_tool_calls
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,7 +55,7 @@ def test_hotpotqa_from_local_json(hotpot_dir, tmp_path):
         r = records[row["id"]]
         assert row["answers"] == [r["answer"]] and (row["type"], row["level"], row["question"]) == (r["type"], r["level"], r["question"])
         assert row["evidence"] == [r["supporting_facts"][0][0], r["supporting_facts"][1][0]]  # titles, first-seen order
-        assert row["messages"] == [{"role": "system", "content": SEARCH_SYSTEM}, {"role": "user", "content": f"Question: {r['question']}"}]
+        assert row["messages"] == [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": f"Question: {r['question']}"}]
     assert all(row["id"].endswith("d") for row in val)  # val comes from the dev file
     # the same seed writes the same bytes; another seed draws another sample
     assert prepare("--task=hotpotqa", f"--source={hotpot_dir}", f"--out={tmp_path / 'b'}", "--train-size=5", "--val-size=3", "--seed=1").returncode == 0
@@ -70,7 +70,6 @@ def test_hotpotqa_from_local_json(hotpot_dir, tmp_path):
 
 def test_hotpotqa_hub_layout_rows():
     """The hub's records (id, supporting_facts as columns) give the same rows as the JSON files."""
-    from nanoagent.hotpotqa import hotpotqa_row
     local = hotpot_record(3, "dev")
     hub = {**{k: v for k, v in local.items() if k not in ("_id", "supporting_facts")}, "id": local["_id"],
            "supporting_facts": {"title": [f[0] for f in local["supporting_facts"]], "sent_id": [f[1] for f in local["supporting_facts"]]}}
@@ -95,8 +94,7 @@ def test_hotpotqa_bad_sources_are_named(hotpot_dir, tmp_path):
 
 def test_synthetic_contract_and_determinism(tmp_path):
     for out, seed in (("a", 0), ("b", 0), ("c", 1)):
-        proc = prepare("--task=synthetic", f"--out={tmp_path / out}", f"--seed={seed}", "--people=30", "--companies=8",
-                       "--cities=10", "--countries=3", "--val-size=20")
+        proc = prepare("--task=synthetic", f"--out={tmp_path / out}", f"--seed={seed}", "--val-size=20")
         assert proc.returncode == 0, proc.stderr
     names = ["train.parquet", "val.parquet", "corpus.jsonl"]
     assert sorted(os.listdir(tmp_path / "a")) == sorted(names)
@@ -104,7 +102,7 @@ def test_synthetic_contract_and_determinism(tmp_path):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
         assert (tmp_path / "a" / name).read_bytes() != (tmp_path / "c" / name).read_bytes(), name
     corpus = [json.loads(line) for line in (tmp_path / "a" / "corpus.jsonl").read_text().splitlines()]
-    assert len(corpus) == 30 + 8 + 10 + 3 and set(corpus[0]) == {"id", "title", "text"}
+    assert len(corpus) == 200 + 40 + 50 + 10 and set(corpus[0]) == {"id", "title", "text"}  # the default world
     train, val = load_prompts(str(tmp_path / "a" / "train.parquet")), load_prompts(str(tmp_path / "a" / "val.parquet"))
     assert len(val) == 20 and {r["type"] for r in train} == {"1-hop", "2-hop"}
     assert not {r["evidence"][0] for r in val} & {r["evidence"][0] for r in train}  # split by the entity asked about
@@ -125,11 +123,11 @@ def test_synthetic_answers_need_the_passages():
 
 
 def test_synthetic_demonstration_is_well_formed():
-    train, _, _ = synthetic_task(seed=0, val_size=10, people=20, companies=5, cities=6, countries=2)
+    train, _, _ = make_split(seed=0, val_size=10, people=20, companies=5, cities=6, countries=2)
     rng = random.Random(0)
     shortcuts = 0
     for row in train:
-        turns = synthetic_demonstration(row, rng)
+        turns = demonstration(row, rng)
         calls = [c for t in turns[:-1] for c in parse_tool_calls(t)]
         assert all(c.name == "search" and not c.error for c in calls) and turns[-1].startswith("<answer>")
         assert [c.arguments["query"] for c in calls] == row["evidence"][:len(calls)]
@@ -144,9 +142,18 @@ def test_prompts_fit_the_tiny_model(tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer
     from nanoagent.config import make_config
     from nanoagent.tools import Tool, ToolEnv, search_tool
-    train, val, _ = synthetic_task(seed=0, val_size=10)
+    train, val, _ = make_split(seed=0, val_size=10)
     env = ToolEnv([search_tool(retriever=None)], AutoTokenizer.from_pretrained(tiny_model_dir))
     assert isinstance(env.tools["search"], Tool)
     lengths = [len(env.prompt_ids(r["messages"])) for r in train[:50] + val]
     assert max(lengths) < make_config("tiny").data.max_prompt_tokens
     assert '"name": "search"' in env.render(train[0]["messages"], add_generation_prompt=True)
+
+
+def test_prepare_refuses_what_a_task_cannot_do(tmp_path):
+    proc = prepare("--task=arithmetic", f"--out={tmp_path / 'a'}")
+    assert proc.returncode != 0 and "makes its prompts on the spot" in proc.stderr
+    proc = prepare("--task=nosuch", f"--out={tmp_path / 'b'}")
+    assert proc.returncode != 0 and "unknown task 'nosuch'; tasks: arithmetic, hotpotqa, synthetic" in proc.stderr
+    proc = prepare("--task=synthetic", f"--out={tmp_path / 'c'}", f"--source={tmp_path}")
+    assert proc.returncode != 0 and "takes no source" in proc.stderr

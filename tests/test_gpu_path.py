@@ -19,10 +19,11 @@ import train
 from nanoagent import common
 from nanoagent.agent import scripted_trajectory
 from nanoagent.config import make_config
-from nanoagent.data import fit_prompts
+from nanoagent.data import fit_prompts, step_prompts
 from nanoagent.engine import pad_token_id
-from nanoagent.model import (build_critic, build_policy, build_reference, critic_forward, decoder_layers, load_causal_lm, policy_forward,
-                             read_weights, shard, training_config)
+from nanoagent.model import (build_critic, build_policy, build_reference, collate, critic_forward, decoder_layers, load_causal_lm,
+                             policy_forward, read_weights, shard, synced_micro_batches, training_config)
+from nanoagent.tasks import arithmetic
 from nanoagent.tools import ToolEnv, calculator_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,9 +97,9 @@ def test_bf16_critic_forward_and_backward(process_group, tiny_model_dir):
 def update_batch(tokenizer, n=6):
     """A batch as train.py builds it, from scripted arithmetic trajectories (no engine needed)."""
     env = ToolEnv([calculator_tool()], tokenizer)
-    rows = train.arithmetic_task(n, 0, "train")
-    trajs = [scripted_trajectory(env, row, train.arithmetic_demonstration(row, random.Random(i))) for i, row in enumerate(rows)]
-    batch = train.collate(trajs, pad_token_id(tokenizer))
+    rows = arithmetic.make_prompts(n, 0, "train")
+    trajs = [scripted_trajectory(env, row, arithmetic.demonstration(row, random.Random(i))) for i, row in enumerate(rows)]
+    batch = collate(trajs, pad_token_id(tokenizer))
     batch["old_logprobs"] = torch.zeros_like(batch["action_mask"])
     batch["advantages"] = torch.randn(batch["action_mask"].shape) * batch["action_mask"]
     return batch
@@ -118,13 +119,12 @@ def test_activation_checkpointing_recomputes_every_layer(process_group, tiny_mod
     else:  # from_pretrained returns a model in eval mode, where transformers does not checkpoint
         policy = shard(load_causal_lm(tiny_model_dir), torch.float32, checkpointing)
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
     forwards = []
     decoder_layers(policy)[0].register_forward_pre_hook(lambda *args: forwards.append(1))
     rows = list(range(len(batch["lengths"])))
-    micro = len(train.synced_micro_batches(batch["lengths"], cfg.train.micro_batch_tokens))
+    micro = len(synced_micro_batches(batch["lengths"], cfg.train.micro_batch_tokens))
     assert micro >= 2
-    train.update_policy(policy, optimizer, scheduler, batch, rows, cfg, 1, CPU)
+    train.update_policy(policy, optimizer, batch, rows, cfg, 1, CPU)
     assert len(forwards) == forwards_per_micro_batch * micro
 
 
@@ -155,13 +155,13 @@ def test_step_prompts_cover_each_epoch_once_per_rank_share():
     per_rank, world = 3, 2
 
     def ids(step, rank):
-        return [r["id"] for r in train.step_prompts(rows, step, per_rank, rank, world, seed=1, shuffle=True)]
+        return [r["id"] for r in step_prompts(rows, step, per_rank, rank, world, seed=1, shuffle=True)]
     seen = [i for step in range(5) for rank in range(world) for i in ids(step, rank)]  # 30 draws: three epochs of ten
     for epoch in range(3):
         assert sorted(seen[epoch * 10:(epoch + 1) * 10]) == list(range(10))
     assert seen[:10] != seen[10:20]  # reshuffled every epoch
     assert ids(3, 1) == ids(3, 1)  # a function of the step
-    unshuffled = [r["id"] for r in train.step_prompts(rows, 1, per_rank, 0, world, seed=1, shuffle=False)]
+    unshuffled = [r["id"] for r in step_prompts(rows, 1, per_rank, 0, world, seed=1, shuffle=False)]
     assert unshuffled == [6, 7, 8]
 
 
@@ -180,8 +180,8 @@ def test_long_prompts_stop_every_rank_when_the_data_is_loaded(tiny_model_dir):
     before any collective: the run ends at once with the count and the first ids, no hang."""
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = make_config("tiny")
-    _, _, env, _ = train.load_task(cfg, tok)
-    rows = train.arithmetic_task(cfg.data.num_train, cfg.seed, "train")
+    _, _, env = train.task_data(arithmetic, cfg, tok)
+    rows = arithmetic.prompts(cfg, "train")
     lengths = env.prompt_lengths([r["messages"] for r in rows])
     assert min(lengths) < max(lengths)  # the two phrasings
     over = [r["id"] for r, n in zip(rows, lengths) if n > min(lengths)]
@@ -191,5 +191,5 @@ def test_long_prompts_stop_every_rank_when_the_data_is_loaded(tiny_model_dir):
     assert proc.returncode != 0
     assert f"{len(over)} of {len(rows)} prompts are longer than data.max_prompt_tokens={min(lengths)} (first: {over[0]}," in proc.stderr
     assert "data.bad_prompts=drop" in proc.stderr
-    kept, _, _, _ = train.load_task(make_config("tiny", [f"data.max_prompt_tokens={min(lengths)}", "data.bad_prompts=drop"]), tok)
+    kept, _, _ = train.task_data(arithmetic, make_config("tiny", [f"data.max_prompt_tokens={min(lengths)}", "data.bad_prompts=drop"]), tok)
     assert len(kept) == len(rows) - len(over) and not {r["id"] for r in kept} & set(over)

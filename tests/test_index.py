@@ -16,7 +16,7 @@ import pytest
 
 from nanoagent.retriever import (EMBEDDINGS, META, DocStore, IndexRetriever, InMemoryRetriever, iter_corpus, load_corpus,
                                  load_encoder, packaged_minilm_path)
-from nanoagent.synthetic import synthetic_task
+from nanoagent.tasks.synthetic import make_split
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -40,7 +40,7 @@ def encoder():
 def world(tmp_path_factory):
     """A small synthetic world (130 passages) and its index, built through the command line."""
     root = tmp_path_factory.mktemp("world")
-    train, val, corpus = synthetic_task(seed=0, **SIZES)
+    train, val, corpus = make_split(seed=0, **SIZES)
     corpus_path = write_jsonl(corpus, root / "corpus.jsonl")
     out = root / "index"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "build_index.py"), f"--corpus={corpus_path}", f"--out={out}",

@@ -166,7 +166,6 @@ def test_clipped_value_loss_hand_computed():
 def test_kl_estimators_hand_computed_and_stable():
     lp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
     torch.testing.assert_close(rl.kl_penalty(lp, ref, "k1"), torch.tensor([math.log(2.0)]))
-    torch.testing.assert_close(rl.kl_penalty(lp, ref, "k2"), torch.tensor([0.5 * math.log(2.0) ** 2]))
     torch.testing.assert_close(rl.kl_penalty(lp, ref, "k3"), torch.tensor([0.5 - 1 + math.log(2.0)]))
     # k3 is the exact KL in expectation: sample-average over pi of a 3-outcome distribution
     pi, pref = torch.tensor([0.2, 0.5, 0.3]), torch.tensor([0.4, 0.4, 0.2])
@@ -175,7 +174,7 @@ def test_kl_estimators_hand_computed_and_stable():
         torch.testing.assert_close((pi * rl.kl_penalty(pi.log(), pref.log(), est)).sum(), exact)
     huge = rl.kl_penalty(torch.tensor([-500.0]), torch.tensor([0.0]), "k3")
     assert torch.isfinite(huge).all()
-    with pytest.raises(ValueError, match="k1, k2, k3"):
+    with pytest.raises(ValueError, match="k1, k3"):
         rl.kl_penalty(lp, ref, "k4")
 
 
@@ -187,16 +186,11 @@ def test_truncated_is_weights():
     assert w.item() == 2.0 and not w.requires_grad
 
 
-def test_masked_mean_var_whiten():
+def test_masked_mean():
     x = torch.tensor([[1.0, 2.0, 100.0], [3.0, -50.0, 4.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 1.0]])
     torch.testing.assert_close(rl.masked_mean(x, mask), torch.tensor(2.5))
     torch.testing.assert_close(rl.masked_mean(x, mask, dim=-1), torch.tensor([1.5, 3.5]))
-    torch.testing.assert_close(rl.masked_var(x, mask), torch.tensor(5.0 / 3.0))
-    w = rl.masked_whiten(x, mask)
-    torch.testing.assert_close(rl.masked_mean(w, mask), torch.tensor(0.0))
-    torch.testing.assert_close(rl.masked_var(w, mask), torch.tensor(1.0), atol=1e-5, rtol=1e-5)
-    assert w[0, 2] == 0 and w[1, 1] == 0
     assert rl.masked_mean(x, torch.zeros_like(mask)) == 0
 
 

@@ -13,12 +13,18 @@ Questions are 1-hop ("Where was X born?": the answer is in X's passage) or 2-hop
 country was X born?": X's passage names the city, the city's passage names the country, and X's
 passage alone does not answer it). Every name word is unique in the world, so each answer is
 unambiguous. The same seed and sizes give the same world, passages, questions and split.
+
+The task is HotpotQA's (system prompt, question wording, search tool, scoring) on this world;
+prepare() also writes the corpus (OUT/corpus.jsonl) for build_index.py, and there are scripted
+demonstrations for a warm start.
 """
 
 import json
+import os
 import random
 
-from nanoagent.hotpotqa import qa_row
+from nanoagent.data import write_prompts
+from nanoagent.tasks.hotpotqa import QUESTION, SYSTEM_PROMPT, prompts, qa_row, score, tools  # noqa: F401 (the task interface)
 
 ONSETS = ["b", "br", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "tr", "v", "z"]
 VOWELS = ["a", "e", "i", "o", "u", "a", "e", "o"]
@@ -113,7 +119,7 @@ def questions(world):
     return qs
 
 
-def synthetic_task(seed=0, val_size=100, train_size=0, **sizes):
+def make_split(seed=0, val_size=100, train_size=0, **sizes):
     """
     (train rows, val rows, corpus passages). The split is by subject: no entity a validation
     question asks about is asked about in training, so validation needs search, not recall of
@@ -137,7 +143,7 @@ def synthetic_task(seed=0, val_size=100, train_size=0, **sizes):
     return (train[:train_size] if train_size else train), val, passages(world)
 
 
-def synthetic_demonstration(row, rng):
+def demonstration(row, rng):
     """
     Scripted assistant turns for a warm start by imitation: search the title of each evidence
     passage in turn, then answer. Deliberately imperfect so RL has room: on 2-hop questions the
@@ -150,3 +156,14 @@ def synthetic_demonstration(row, rng):
     if len(evidence) > 1 and rng.random() < 0.4:
         return [search(evidence[0]), f"<answer>{evidence[1]}</answer>"]
     return [search(title) for title in evidence] + [f"<answer>{row['answers'][0]}</answer>"]
+
+
+def prepare(out, train_size=0, val_size=None, seed=0, source=None):
+    """OUT/train.parquet, OUT/val.parquet (default 100 questions) and OUT/corpus.jsonl, the world of `seed`."""
+    if source is not None:
+        raise ValueError("the synthetic task is generated: it takes no source")
+    train, val, corpus = make_split(seed, 100 if val_size is None else val_size, train_size)
+    with open(os.path.join(out, "corpus.jsonl"), "w") as f:
+        f.writelines(json.dumps(p) + "\n" for p in corpus)
+    print(f"wrote {len(corpus)} passages to {os.path.join(out, 'corpus.jsonl')}")
+    write_prompts(out, {"train": train, "val": val})

@@ -1,5 +1,5 @@
 """
-The search QA task: the prompt the agent sees, HotpotQA questions, and the prompt files.
+HotpotQA, the flagship task: multi-hop questions answered by searching a Wikipedia corpus.
 
 One prompt row per question: `id`, `question`, `messages` (system + user), `answers` (gold
 answers), `type` and `level` (HotpotQA's: bridge/comparison, easy/medium/hard), and `evidence`
@@ -8,22 +8,31 @@ measure retrieval, never shown to the agent). The prompt holds messages only: th
 schema is rendered into the system turn by the chat template at rollout time (ToolEnv), so the
 same file serves any model and any tool description.
 
-HotpotQA comes from the hub through the datasets library, or from a folder with the original JSON
-files (hotpot_train_v1.1.json, hotpot_dev_distractor_v1.json or hotpot_dev_fullwiki_v1.json),
-which is what tests use. The synthetic world (synthetic.py) writes rows of the same shape.
+prepare() reads HotpotQA from the hub through the datasets library, or from a folder with the
+original JSON files (hotpot_train_v1.1.json, hotpot_dev_distractor_v1.json or
+hotpot_dev_fullwiki_v1.json), which is what tests use, and writes data.train_path / data.val_path
+(train.parquet sampled from HotpotQA's train split, val.parquet from its dev split). The passages
+come from the BeIR HotpotQA corpus, indexed by build_index.py into data.index_dir. The synthetic
+task (synthetic.py) reuses this task's prompt, tools and scoring.
 """
 
 import json
 import os
 import random
 
-SEARCH_SYSTEM = (
+from nanoagent.data import load_prompts, write_prompts
+from nanoagent.reward import score_trajectory
+from nanoagent.tools import make_tools
+
+SYSTEM_PROMPT = (
     "Answer the user's question. The answer needs facts you must look up: call the `search` tool, as many "
     "times as you need, to find passages about the entities in the question, and search again with what you "
     "learn. You may think inside <think></think> before acting. When you know the answer, reply with only the "
     "answer, a few words, inside <answer></answer>, for example <answer>Paris</answer>."
 )
 
+QUESTION = "Question: {}"
+demonstration = None
 HUB_QUESTIONS = ("hotpotqa/hotpot_qa", "distractor")
 LOCAL_FILES = {"train": ["hotpot_train_v1.1.json"], "val": ["hotpot_dev_distractor_v1.json", "hotpot_dev_fullwiki_v1.json"]}
 
@@ -32,7 +41,7 @@ def qa_row(id, question, answers, type, level, evidence):
     """A prompt row (messages as a list; write_prompts stores them as JSON text)."""
     return {"id": id, "question": question, "answers": list(answers), "type": type, "level": level,
             "evidence": list(evidence),
-            "messages": [{"role": "system", "content": SEARCH_SYSTEM}, {"role": "user", "content": f"Question: {question}"}]}
+            "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": QUESTION.format(question)}]}
 
 
 def _evidence_titles(supporting_facts):
@@ -55,7 +64,7 @@ def load_hotpotqa(split, source=None):
     same in fullwiki, and our agent searches the whole corpus either way).
     """
     if source is None:
-        from datasets import load_dataset
+        from datasets import load_dataset  # here, not at the top: importing datasets takes seconds, and only this path needs it
         ds = load_dataset(*HUB_QUESTIONS, split="train" if split == "train" else "validation")
         return list(ds.remove_columns("context"))  # the passages come from the search index
     if not os.path.isdir(source):
@@ -88,11 +97,23 @@ def sample(rows, size, seed, label):
     return [rows[i] for i in keep]
 
 
-def write_prompts(rows, path):
-    """Rows -> parquet (messages as JSON text); nanoagent.data.load_prompts reads it back. The
-    same rows give the same bytes."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    table = pa.Table.from_pylist([{**r, "messages": json.dumps(r["messages"])} for r in rows])
-    pq.write_table(table, path)
-    return path
+def tools(cfg):
+    """Search over the index build_index.py wrote into data.index_dir."""
+    return make_tools(["search"], cfg.data.index_dir, top_k=cfg.rollout.search_top_k)
+
+
+def prompts(cfg, split):
+    return load_prompts(cfg.data.train_path if split == "train" else cfg.data.val_path)
+
+
+def score(traj, cfg):
+    return score_trajectory(traj, cfg.reward)
+
+
+def prepare(out, train_size=0, val_size=None, seed=0, source=None):
+    """OUT/train.parquet and OUT/val.parquet: `train_size` questions sampled from HotpotQA's train
+    split (0: all), `val_size` (default 500) from its dev split; `source`: a folder of the original
+    JSON files instead of the hub."""
+    train = sample([hotpotqa_row(r) for r in load_hotpotqa("train", source)], train_size, seed, "train")
+    val = sample([hotpotqa_row(r) for r in load_hotpotqa("val", source)], 500 if val_size is None else val_size, seed, "val")
+    write_prompts(out, {"train": train, "val": val})

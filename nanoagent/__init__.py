@@ -1,0 +1,7 @@
+"""
+nanoagent: train LLM agents that call tools over many turns with end-to-end RL (PPO with a critic
+and mask-aware GAE, GRPO). train.py at the repository's root is the loop; this package holds its
+parts, each module one job: rl.py (the math), model.py (models, sharding, forward passes),
+engine.py (rollout engines), agent.py (the multi-turn loop), tools.py, tasks/ (one file per task),
+reward.py, data.py, retriever.py, checkpoint.py, config.py, common.py, tiny.py (the test model).
+"""

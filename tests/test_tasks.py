@@ -1,0 +1,92 @@
+"""
+Tasks are files (nanoagent/tasks/): the built-in ones define the whole interface, a task is found by
+name or by path, and a task written in a file of its own, outside the repository, trains.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from nanoagent.config import ConfigError, make_config
+from nanoagent.tasks import load_task, task_names
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A task of a user's own: look a product's price up with a tool of its own, scored its own way.
+LOOKUP_TASK = '''
+"""Look a product's price up."""
+import json
+
+from nanoagent.tools import Tool
+
+PRICES = {"A1": "3", "B2": "7", "C3": "12", "D4": "5"}
+SYSTEM_PROMPT = "Look the price up with the lookup tool, then answer as <answer>price</answer>."
+QUESTION = "What does {} cost?"
+prepare = None
+
+
+def tools(cfg):
+    return [Tool("lookup", "Look up a product's price by its SKU.",
+                 {"type": "object", "properties": {"sku": {"type": "string"}}, "required": ["sku"]},
+                 lambda args: PRICES.get(args["sku"], "no such product"))]
+
+
+def prompts(cfg, split):
+    skus = sorted(PRICES)[:3] if split == "train" else sorted(PRICES)[3:]
+    return [{"id": f"{split}-{i}", "sku": sku, "answers": [PRICES[sku]],
+             "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": QUESTION.format(sku)}]}
+            for i, sku in enumerate(skus * 4)]
+
+
+def score(traj, cfg):
+    traj.scores = {"looked_up": float(any(c.name == "lookup" and not c.error for c in traj.tool_calls))}
+    traj.reward = traj.scores["looked_up"]
+    return traj.reward
+
+
+def demonstration(row, rng):
+    call = json.dumps({"name": "lookup", "arguments": {"sku": row["sku"]}})
+    return [f"<tool_call>\\n{call}\\n</tool_call>", f"<answer>{PRICES[row['sku']]}</answer>"]
+'''
+
+
+def test_builtin_tasks_define_the_interface():
+    assert task_names() == ["arithmetic", "hotpotqa", "synthetic"]
+    for name in task_names():
+        task = load_task(name)
+        assert isinstance(task.SYSTEM_PROMPT, str) and "{}" in task.QUESTION
+        assert callable(task.tools) and callable(task.prompts) and callable(task.score)
+    assert load_task("arithmetic").prepare is None and load_task("hotpotqa").demonstration is None
+
+
+def test_tasks_are_found_by_name_or_path_and_refused_clearly(tmp_path):
+    with pytest.raises(ValueError, match="unknown task 'nosuch'; tasks: arithmetic, hotpotqa, synthetic"):
+        load_task("nosuch")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_task(str(tmp_path / "missing.py"))
+    (tmp_path / "half.py").write_text("SYSTEM_PROMPT = ''\nQUESTION = '{}'\n")
+    with pytest.raises(ValueError, match="does not define tools, prompts, score, demonstration, prepare"):
+        load_task(str(tmp_path / "half.py"))
+    with pytest.raises(ConfigError, match="data.task='nosuch': not a task; valid: arithmetic, hotpotqa, synthetic"):
+        make_config("tiny", ["data.task=nosuch"])
+
+
+@pytest.mark.slow
+def test_a_task_in_a_file_of_its_own_trains(tmp_path):
+    """Copy a task, change it, pass data.task=<its path>: the trainer takes its prompts, tools,
+    demonstrations and scoring, and nothing else changes."""
+    (tmp_path / "lookup.py").write_text(LOOKUP_TASK)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "train.py", "--config=tiny", f"data.task={tmp_path / 'lookup.py'}", f"run_dir={run_dir}",
+                           "steps=1", "train.warm_start_steps=60", "train.warm_start_lr=3e-3", "rollout.prompts_per_step=4",
+                           "ppo.mini_batch_size=8", "eval.every=1", "eval.num_prompts=4"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    step = [m for m in metrics if m["step"] == 1 and "reward" in m][0]
+    assert "looked_up" in step and "eval/looked_up" in metrics[0]  # the task's own scores
+    assert step["tool_calls"] > 0 and step["looked_up"] > 0  # its own tool, called as its demonstrations showed
+    assert "exported" in proc.stdout

@@ -34,7 +34,7 @@ import torch
 from transformers import AutoTokenizer
 
 from nanoagent import rl
-from nanoagent.agent import rollout_metrics, run_agent, scripted_trajectory
+from nanoagent.agent import rollout_metrics, run_agent, scripted_trajectories
 from nanoagent.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
 from nanoagent.common import MetricsLog, all_reduce, init_distributed, print0, reduce_metrics, resolve_model, seed_everything
 from nanoagent.config import ConfigError, format_config, make_config, reference, save_config, to_dict
@@ -178,7 +178,8 @@ def imitate(policy, env, rows, demonstrate, cfg, rank, world, device):
     action tokens (mask = 1), a global token mean. Its own AdamW, so RL's optimizer starts fresh.
     """
     rng = random.Random(f"{cfg.seed}-demos-{rank}")
-    demos = [scripted_trajectory(env, row, demonstrate(row, rng)) for row in rows[rank::world]]
+    mine = rows[rank::world]
+    demos = scripted_trajectories(env, mine, [demonstrate(row, rng) for row in mine])
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.train.warm_start_lr, weight_decay=0.0)
     per_rank = cfg.ppo.mini_batch_size // world
     for step in range(cfg.train.warm_start_steps):

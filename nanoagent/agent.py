@@ -147,29 +147,38 @@ def rollout_metrics(trajs, seconds=None):
 
 
 
-def scripted_trajectory(env, sample, turns):
+def scripted_trajectories(env, samples, scripts):
     """
-    A trajectory whose actions are given texts (demonstrations for a warm start), assembled the
+    Trajectories whose actions are given texts (demonstrations for a warm start), assembled the
     way run_agent assembles sampled ones: the action ids are the text's tokens (+ EOS when the turn
-    has no tool call), the tools run for real and the observations are the template's suffix.
+    has no tool call), the tools run for real, all trajectories' calls of a turn together (one
+    batched search), and the observations are the template's suffix. scripts[i]: the assistant
+    turn texts of samples[i].
     """
     tokenizer = env.tokenizer
-    t = Trajectory(sample=sample, prompt_ids=env.prompt_ids(sample["messages"]), messages=list(sample["messages"]))
-    for turn, content in enumerate(turns):
-        calls = parse_tool_calls(content)
-        ids = tokenizer.encode(content, add_special_tokens=False) + ([] if calls else [tokenizer.eos_token_id])
-        start = len(t.response_ids)
-        t.append(ids, 1, [0.0] * len(ids))
-        t.turn_spans.append((start, len(t.response_ids)))
-        if not calls:
-            t.messages.append({"role": "assistant", "content": content})
-            t.final_text, t.finish_reason = content, "answer"
-            break
-        env.run(calls)
-        for c in calls:
-            c.turn = turn
-        t.tool_calls += calls
-        obs_ids, new_messages = env.observation_ids(t.messages, content, [c.result for c in calls])
-        t.append(obs_ids, 0)
-        t.messages += new_messages
-    return t
+    trajs = [Trajectory(sample=s, prompt_ids=env.prompt_ids(s["messages"]), messages=list(s["messages"])) for s in samples]
+    for turn in range(max(map(len, scripts), default=0)):
+        pending = []  # (trajectory, content, calls) whose calls run this turn
+        for t, script in zip(trajs, scripts):
+            if t.finish_reason or turn >= len(script):
+                continue
+            content = script[turn]
+            calls = parse_tool_calls(content)
+            ids = tokenizer.encode(content, add_special_tokens=False) + ([] if calls else [tokenizer.eos_token_id])
+            start = len(t.response_ids)
+            t.append(ids, 1, [0.0] * len(ids))
+            t.turn_spans.append((start, len(t.response_ids)))
+            if not calls:
+                t.messages.append({"role": "assistant", "content": content})
+                t.final_text, t.finish_reason = content, "answer"
+                continue
+            for c in calls:
+                c.turn = turn
+            t.tool_calls += calls
+            pending.append((t, content, calls))
+        env.run([c for *_, calls in pending for c in calls])
+        for t, content, calls in pending:
+            obs_ids, new_messages = env.observation_ids(t.messages, content, [c.result for c in calls])
+            t.append(obs_ids, 0)
+            t.messages += new_messages
+    return trajs

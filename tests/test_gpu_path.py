@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 import train
 from nanoagent import common
-from nanoagent.agent import scripted_trajectory
+from nanoagent.agent import scripted_trajectories
 from nanoagent.config import make_config
 from nanoagent.data import fit_prompts, step_prompts
 from nanoagent.engine import pad_token_id
@@ -98,7 +98,7 @@ def update_batch(tokenizer, n=6):
     """A batch as train.py builds it, from scripted arithmetic trajectories (no engine needed)."""
     env = ToolEnv([calculator_tool()], tokenizer)
     rows = arithmetic.make_prompts(n, 0, "train")
-    trajs = [scripted_trajectory(env, row, arithmetic.demonstration(row, random.Random(i))) for i, row in enumerate(rows)]
+    trajs = scripted_trajectories(env, rows, [arithmetic.demonstration(row, random.Random(i)) for i, row in enumerate(rows)])
     batch = collate(trajs, pad_token_id(tokenizer))
     batch["old_logprobs"] = torch.zeros_like(batch["action_mask"])
     batch["advantages"] = torch.randn(batch["action_mask"].shape) * batch["action_mask"]

@@ -1,11 +1,14 @@
 """The tool environment without a model: parsing, validation, time limits, truncation, rendering."""
 
+import random
 import time
 
 import pytest
 from transformers import AutoTokenizer
 
+from nanoagent.agent import scripted_trajectories
 from nanoagent.retriever import InMemoryRetriever, load_encoder, packaged_minilm_path
+from nanoagent.tasks import arithmetic
 from nanoagent.tools import Tool, ToolCall, ToolEnv, calculate, calculator_tool, parse_tool_calls, search_tool
 
 
@@ -94,3 +97,20 @@ def test_observation_ids_are_the_template_suffix(tok):
     assert new == [{"role": "assistant", "content": content}, {"role": "tool", "content": "42"}]
     obs_eos, _ = env.observation_ids(messages, "<tool_call>{bad</tool_call>", ["err"], ended_with_eos=True)
     assert tok.decode(obs_eos, skip_special_tokens=False).startswith("\n<|im_start|>user")  # the sampled EOS already closed the turn
+
+
+def test_scripted_demonstrations_are_the_rendered_conversation(tok):
+    """Demonstrations assembled together (one tool run per turn for all of them) are token for token
+    what the chat template renders for each conversation, and what each gives alone."""
+    env = ToolEnv([calculator_tool()], tok)
+    rows = arithmetic.make_prompts(6, seed=0)
+    scripts = [arithmetic.demonstration(row, random.Random(i)) for i, row in enumerate(rows)]
+    assert {len(s) for s in scripts} == {1, 2}  # some answer at once, some call the calculator first
+    together = scripted_trajectories(env, rows, scripts)
+    for row, script, t in zip(rows, scripts, together):
+        [alone] = scripted_trajectories(env, [row], [script])
+        assert (t.response_ids, t.action_mask, t.messages) == (alone.response_ids, alone.action_mask, alone.messages)
+        rendered = env.render(t.messages)
+        assert tok.decode(t.prompt_ids + t.response_ids, skip_special_tokens=False) == rendered.rstrip("\n")
+        assert t.finish_reason == "answer" and len(t.turn_spans) == len(script)
+        assert [c.result for c in t.tool_calls] == ([str(row["a"] * row["b"])] if len(script) == 2 else [])

@@ -1,8 +1,16 @@
 """
 The multi-turn agent loop: generate, call tools, observe, repeat.
 
-All live trajectories of a batch generate together in each turn; the tool calls of a turn run
-together (one batched search); finished trajectories drop out. A trajectory is one token row
+Each trajectory is scheduled on its own, as the systems we learn from do (verl's AgentLoop, SkyRL,
+AReaL): its turn is a request in the engine; when the request finishes, its tool calls start in
+the background (ToolEnv.start) while the engine keeps decoding the other trajectories' turns; when
+its results are back, its next turn enters the engine at once, and prefix caching reuses the KV of
+its earlier turns. A trajectory that answers in one turn frees its slot; a slow tool holds up only
+the trajectory that called it. Tool calls that are waiting at the same moment run together (one
+batched search). With seeds, trajectory i samples turn k with a seed of its own derived from
+(seed, i, k), so what it samples does not depend on when its tools answered or what else ran.
+
+A trajectory is one token row
 
     prompt | act_1 | obs_1 | act_2 | obs_2 | ... | act_n
 
@@ -16,6 +24,8 @@ new-token budget without a call ("truncated"), when it would exceed the context 
 ("context_budget"), or when it makes a call in its last allowed turn ("max_turns").
 """
 
+import time
+from concurrent.futures import FIRST_COMPLETED, wait
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -60,65 +70,99 @@ class Trajectory:
         }
 
 
-def run_agent(engine, env, samples, sampling, max_turns, max_context_tokens, seed=None):
-    """
-    Roll out one trajectory per sample (repeat samples for groups). env: a ToolEnv, which owns
-    the tokenizer and the chat template. seed: when given, trajectory i samples turn k with its own
-    seed derived from (seed, i, k), so a batch is reproducible whatever ran before it.
-    Returns the trajectories in the order of samples.
-    """
-    tokenizer = env.tokenizer
-    eos = tokenizer.eos_token_id
+def start_trajectories(env, samples, max_context_tokens):
+    """One empty trajectory per sample: its prompt ids, rendered with the tools' schemas."""
     trajs = []
     for s in samples:
         prompt_ids = env.prompt_ids(s["messages"])
         if len(prompt_ids) >= max_context_tokens:
             raise ValueError(f"prompt {s.get('id')!r} is {len(prompt_ids)} tokens, over the context budget of {max_context_tokens}")
         trajs.append(Trajectory(sample=s, prompt_ids=prompt_ids, messages=list(s["messages"])))
-    live = list(trajs)
-    position = {id(t): i for i, t in enumerate(trajs)}
-    for turn in range(max_turns):
-        if not live:
-            break
-        budgets = [min(sampling.max_new_tokens, max_context_tokens - len(t)) for t in live]
-        seeds = None if seed is None else [(seed * 1_000_003 + position[id(t)] * 1009 + turn) % 2**31 for t in live]
-        gens = engine.generate([t.prompt_ids + t.response_ids for t in live], sampling, budgets, seeds)
-        pending = []  # (trajectory, content, ended_with_eos, calls) whose calls run this turn
-        for t, g, budget in zip(live, gens, budgets):
-            start = len(t.response_ids)
-            t.append(g.token_ids, 1, g.logprobs)
-            t.turn_spans.append((start, len(t.response_ids)))
-            ended_with_eos = g.finish_reason == "stop" and g.token_ids[-1] == eos
-            content = tokenizer.decode(g.token_ids[:-1] if ended_with_eos else g.token_ids, skip_special_tokens=False)
-            calls = parse_tool_calls(content)
-            for c in calls:
-                c.turn = turn
-            t.tool_calls += calls
-            if not calls:
-                t.messages.append({"role": "assistant", "content": content})
-                t.final_text = content
-                if g.finish_reason == "stop":
-                    t.finish_reason = "answer"
-                else:
-                    t.finish_reason = "context_budget" if budget < sampling.max_new_tokens else "truncated"
-            elif turn == max_turns - 1:
-                t.messages.append({"role": "assistant", "content": content})
-                t.final_text = content
-                t.finish_reason = "max_turns"
-            else:
-                pending.append((t, content, ended_with_eos, calls))
-        env.run([c for *_, calls in pending for c in calls])
-        live = []
-        for t, content, ended_with_eos, calls in pending:
-            obs_ids, new_messages = env.observation_ids(t.messages, content, [c.result for c in calls], ended_with_eos)
-            if len(t) + len(obs_ids) >= max_context_tokens:  # no room left for a single action token
-                t.messages.append(new_messages[0])
-                t.final_text = content
-                t.finish_reason = "context_budget"
-                continue
-            t.append(obs_ids, 0)
-            t.messages += new_messages
-            live.append(t)
+    return trajs
+
+
+def take_turn(t, gen, budget, turn, max_turns, max_new_tokens, tokenizer):
+    """
+    Append a generated action to the trajectory. Returns (content, ended_with_eos, calls) when its
+    tool calls are to run and the trajectory goes on, None when this turn ended it.
+    """
+    start = len(t.response_ids)
+    t.append(gen.token_ids, 1, gen.logprobs)
+    t.turn_spans.append((start, len(t.response_ids)))
+    ended_with_eos = gen.finish_reason == "stop" and gen.token_ids[-1] == tokenizer.eos_token_id
+    content = tokenizer.decode(gen.token_ids[:-1] if ended_with_eos else gen.token_ids, skip_special_tokens=False)
+    calls = parse_tool_calls(content)
+    for c in calls:
+        c.turn = turn
+    t.tool_calls += calls
+    if calls and turn < max_turns - 1:
+        return content, ended_with_eos, calls
+    t.messages.append({"role": "assistant", "content": content})
+    t.final_text = content
+    if calls:
+        t.finish_reason = "max_turns"
+    elif gen.finish_reason == "stop":
+        t.finish_reason = "answer"
+    else:
+        t.finish_reason = "context_budget" if budget < max_new_tokens else "truncated"
+    return None
+
+
+def observe(t, env, content, ended_with_eos, calls, max_context_tokens):
+    """Append the observation of a turn's tool results; False when it leaves no room for another
+    action token (the trajectory ends, "context_budget"), True when the trajectory goes on."""
+    obs_ids, new_messages = env.observation_ids(t.messages, content, [c.result for c in calls], ended_with_eos)
+    if len(t) + len(obs_ids) >= max_context_tokens:
+        t.messages.append(new_messages[0])
+        t.final_text = content
+        t.finish_reason = "context_budget"
+        return False
+    t.append(obs_ids, 0)
+    t.messages += new_messages
+    return True
+
+
+def run_agent(engine, env, samples, sampling, max_turns, max_context_tokens, seed=None, timing=None):
+    """
+    Roll out one trajectory per sample (repeat samples for groups); each is scheduled on its own
+    (module docstring). env: a ToolEnv, which owns the tokenizer and the chat template. seed: when
+    given, trajectory i samples turn k with a seed derived from (seed, i, k). timing: a dict that
+    gets "engine_s" (time in engine steps) and "idle_s" (time with nothing to generate, waiting for
+    tools). Returns the trajectories in the order of samples.
+    """
+    trajs = start_trajectories(env, samples, max_context_tokens)
+    generating, running_tools = {}, {}  # request id -> (i, turn, budget);  tool future -> (i, turn, content, eos, calls)
+    engine_s = idle_s = 0.0
+
+    def submit(i, turn):
+        budget = min(sampling.max_new_tokens, max_context_tokens - len(trajs[i]))
+        turn_seed = None if seed is None else (seed * 1_000_003 + i * 1009 + turn) % 2**31
+        engine.submit(f"{i}-{turn}", trajs[i].prompt_ids + trajs[i].response_ids, sampling, budget, turn_seed)
+        generating[f"{i}-{turn}"] = (i, turn, budget)
+
+    for i in range(len(trajs)):
+        submit(i, 0)
+    while generating or running_tools:
+        start = time.perf_counter()
+        # an engine that batches per call (HFEngine) waits for every tool so that a turn's requests go together
+        if generating and (engine.continuous_batching or not running_tools):
+            for request_id, gen in engine.step():
+                i, turn, budget = generating.pop(request_id)
+                pending = take_turn(trajs[i], gen, budget, turn, max_turns, sampling.max_new_tokens, env.tokenizer)
+                if pending is not None:
+                    running_tools[env.start(pending[2])] = (i, turn, *pending)
+            engine_s += time.perf_counter() - start
+        else:  # nothing to generate until a tool answers
+            wait(running_tools, return_when=FIRST_COMPLETED)
+            idle_s += time.perf_counter() - start
+        for future in [f for f in running_tools if f.done()]:
+            i, turn, content, ended_with_eos, calls = running_tools.pop(future)
+            future.result()  # raises what the environment raised
+            env.truncate_results(calls)
+            if observe(trajs[i], env, content, ended_with_eos, calls, max_context_tokens):
+                submit(i, turn + 1)
+    if timing is not None:
+        timing.update(engine_s=engine_s, idle_s=idle_s)
     return trajs
 
 
@@ -144,7 +188,6 @@ def rollout_metrics(trajs, seconds=None):
         metrics["seconds"] = seconds
         metrics["action_tokens_per_s"] = action_tokens / seconds
     return metrics
-
 
 
 def scripted_trajectories(env, samples, scripts):
@@ -178,7 +221,5 @@ def scripted_trajectories(env, samples, scripts):
             pending.append((t, content, calls))
         env.run([c for *_, calls in pending for c in calls])
         for t, content, calls in pending:
-            obs_ids, new_messages = env.observation_ids(t.messages, content, [c.result for c in calls])
-            t.append(obs_ids, 0)
-            t.messages += new_messages
+            observe(t, env, content, False, calls, max_context_tokens=float("inf"))
     return trajs

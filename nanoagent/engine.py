@@ -1,7 +1,9 @@
 """
 The rollout engine: token ids in, sampled token ids + their logprobs + a finish reason out.
 
-Two implementations with one interface:
+Two implementations with one interface: submit(request_id, prompt_ids, sampling, max_new_tokens,
+seed) queues a generation, step() advances the engine and returns the generations that finished,
+generate() does a whole batch at once; load_weights, sleep, wake.
 - VLLMEngine: vLLM living in the trainer's own process, one per rank (`external_launcher` under
   torchrun), so the trainer can hand it new weights as tensors after every update, without
   writing a checkpoint or crossing a process boundary. On a GPU, sleep()/wake() give its memory
@@ -61,6 +63,8 @@ def stop_token_ids(tokenizer, stop_tags=("</tool_call>",)):
 
 
 class VLLMEngine:
+    continuous_batching = True  # a request may join while others are decoding (run_agent schedules each trajectory on its own)
+
     def __init__(self, model_path, stop_ids, max_model_len, dtype="bfloat16", gpu_memory_utilization=0.5,
                  tensor_parallel_size=1, seed=0):
         # In-process engine core: the weights must be reachable from this process for reloads.
@@ -87,26 +91,41 @@ class VLLMEngine:
         self.stop_ids = list(stop_ids)
         self.asleep = False
 
-    def generate(self, prompts, sampling, max_new_tokens=None, seeds=None):
-        """prompts: list of token-id lists. max_new_tokens: optional per-prompt budgets (list).
-        seeds: optional per-prompt sampling seeds, which make a sample independent of what the
-        engine generated before (exact resume)."""
+    def submit(self, request_id, prompt_ids, sampling, max_new_tokens, seed=None):
+        """Queue one generation (a trajectory's turn) in the engine; step() returns it when done.
+        seed: a per-request sampling seed, which makes the sample independent of what else the
+        engine generates alongside (exact resume, timing-independent rollouts)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+        params = SamplingParams(
+            max_tokens=max_new_tokens, temperature=0.0 if sampling.greedy else sampling.temperature,
+            top_p=1.0 if sampling.greedy else sampling.top_p, stop_token_ids=self.stop_ids, seed=seed, logprobs=0,
+            detokenize=False, skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), params)
+
+    def step(self):
+        """One engine step (a decode iteration over every running request, prefills of new ones);
+        returns [(request_id, Generation)] of the requests that finished in it."""
+        done = []
+        for out in self.llm.llm_engine.step():
+            if out.finished:
+                sample = out.outputs[0]
+                ids = list(sample.token_ids)
+                done.append((out.request_id, Generation(ids, [lp[i].logprob for lp, i in zip(sample.logprobs, ids)],
+                                                        "length" if sample.finish_reason == "length" else "stop")))
+        return done
+
+    def generate(self, prompts, sampling, max_new_tokens=None, seeds=None):
+        """A batch at once: prompts, token-id lists; max_new_tokens and seeds, optional per-prompt
+        lists. Returns the Generations in the order of prompts."""
         budgets = max_new_tokens or [sampling.max_new_tokens] * len(prompts)
-        seeds = seeds or [None] * len(prompts)
-        params = [SamplingParams(
-            max_tokens=n, temperature=0.0 if sampling.greedy else sampling.temperature,
-            top_p=1.0 if sampling.greedy else sampling.top_p, stop_token_ids=self.stop_ids, seed=seed,
-            logprobs=0, detokenize=False, skip_special_tokens=False) for n, seed in zip(budgets, seeds)]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        gens = []
-        for out in outputs:
-            sample = out.outputs[0]
-            ids = list(sample.token_ids)
-            gens.append(Generation(ids, [lp[i].logprob for lp, i in zip(sample.logprobs, ids)],
-                                   "length" if sample.finish_reason == "length" else "stop"))
-        return gens
+        for i, (prompt, budget, seed) in enumerate(zip(prompts, budgets, seeds or [None] * len(prompts))):
+            self.submit(f"generate-{i}", prompt, sampling, budget, seed)
+        done = {}
+        while len(done) < len(prompts):
+            done.update(self.step())
+        return [done[f"generate-{i}"] for i in range(len(prompts))]
 
     def load_weights(self, named_tensors):
         """Generate with these weights from now on. One call hands vLLM an iterator over all the
@@ -132,12 +151,29 @@ class HFEngine:
     """Our own decode loop over a transformers causal LM with a KV cache, batched with left padding.
     Holds its own copy of the weights, which sleep() moves to the CPU while the trainer updates."""
 
+    continuous_batching = False  # one generate call per step: run_agent gathers a turn's requests before stepping
+
     def __init__(self, model_path, stop_ids, pad_id, dtype="bfloat16", device=None, seed=0):
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device).eval()
         self.stop_ids = list(stop_ids)
         self.pad_id = pad_id
         self.generator_seed = seed
+        self.queued = []  # (request_id, prompt_ids, sampling, max_new_tokens, seed) waiting for step()
+
+    def submit(self, request_id, prompt_ids, sampling, max_new_tokens, seed=None):
+        """Queue one generation; the next step() generates everything queued as one batch."""
+        self.queued.append((request_id, prompt_ids, sampling, max_new_tokens, seed))
+
+    def step(self):
+        """Generate every queued request together (they share the first one's sampling settings
+        and seed, see generate); returns [(request_id, Generation)] of all of them."""
+        batch, self.queued = sorted(self.queued, key=lambda r: r[0]), []  # by id: the batch does not depend on arrival order
+        if not batch:
+            return []
+        _, prompts, samplings, budgets, seeds = zip(*batch)
+        gens = self.generate(list(prompts), samplings[0], list(budgets), None if seeds[0] is None else list(seeds))
+        return [(request_id, gen) for (request_id, *_), gen in zip(batch, gens)]
 
     @torch.no_grad()
     def generate(self, prompts, sampling, max_new_tokens=None, seeds=None):

@@ -19,9 +19,11 @@ import ast
 import json
 import math
 import operator
+import queue
 import re
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
@@ -101,20 +103,63 @@ def _start(fn, arg):
 
 
 class ToolEnv:
-    def __init__(self, tools, tokenizer, max_obs_tokens=512, timeout_s=10.0):
+    def __init__(self, tools, tokenizer, max_obs_tokens=512, timeout_s=10.0, workers=4):
         self.tools = {t.name: t for t in tools}
         self.tokenizer = tokenizer
         self.max_obs_tokens = max_obs_tokens
         self.timeout_s = timeout_s
+        self.workers = workers
+        self.waiting = queue.Queue()  # (calls, future) that start() handed to the background workers
+        self.started = []             # the worker threads, started on first use
 
     def schemas(self):
         return [t.schema() for t in self.tools.values()]
 
     def run(self, calls):
+        """Run tool calls now, in place (execute, then cut each result to max_obs_tokens)."""
+        self.execute(calls)
+        self.truncate_results(calls)
+        return calls
+
+    def start(self, calls):
         """
-        Run all the tool calls of one turn (across all trajectories) in place: each ToolCall gets
-        its result text, error flag and duration. Calls to a tool with call_batch go to it as one
-        batch; the others run in parallel threads. Each gets the environment's time limit.
+        Run tool calls in the background (execute only: the caller truncates the results with
+        truncate_results once the returned Future is done, on its own thread, since the tokenizer
+        is not safe to share between threads). A worker takes every call waiting at that moment,
+        so a batching tool serves all of them at once (one search for every waiting query);
+        several workers run, so a slow batch does not hold up the next.
+        """
+        future = Future()
+        self.waiting.put((calls, future))
+        while len(self.started) < self.workers:
+            self.started.append(threading.Thread(target=self._serve, daemon=True))
+            self.started[-1].start()
+        return future
+
+    def _serve(self):
+        while True:
+            jobs = [self.waiting.get()]
+            while not self.waiting.empty():
+                jobs.append(self.waiting.get())
+            try:
+                self.execute([c for calls, _ in jobs for c in calls])
+            except Exception as e:  # a bug in the environment itself: every waiting trajectory hears of it
+                for _, future in jobs:
+                    future.set_exception(e)
+            else:
+                for _, future in jobs:
+                    future.set_result(None)
+
+    def truncate_results(self, calls):
+        for c in calls:
+            if not c.error:
+                c.result = self.truncate(c.result)
+
+    def execute(self, calls):
+        """
+        Run tool calls in place: each ToolCall gets its result text (whole), error flag and
+        duration. Calls to a tool with call_batch go to it as one batch; the others run in
+        parallel threads. Each gets the environment's time limit. Uses no tokenizer.
         """
         jobs = []  # (thread, box, calls served, batched, started)
         by_tool = {}
@@ -156,7 +201,7 @@ class ToolEnv:
                 if error is not None:
                     c.result, c.error = error, True
                 else:
-                    c.result = self.truncate(str(results[i]))
+                    c.result = str(results[i])
         return calls
 
     def truncate(self, text):

@@ -14,6 +14,8 @@ One step, top to bottom:
   1. rollout: every rank rolls out its share of the prompts (G times each), multi-turn with tools;
   2. rewards: the task scores each trajectory; the outcome reward sits on the last action token,
      process rewards on the last action token of their turn, and (kl_mode=reward) -kl_coef * k1;
+     groups whose rewards are all equal (grpo) and, optionally, trajectories cut by a budget are
+     left out of the update (DAPO);
   3. the engine sleeps; the trainer recomputes old logprobs, reference logprobs and values;
   4. advantages: masked GAE over action tokens (ppo) or group-normalised scores (grpo);
   5. PPO epochs over mini-batches: clipped policy loss (+ k3 KL loss, entropy bonus, truncated
@@ -94,6 +96,22 @@ def token_rewards(trajs, batch, tool_call_reward):
     return rewards
 
 
+def trained_rows(trajs, scores, groups, cfg):
+    """
+    Which trajectories the update trains on ([B] float, 1 or 0), and how many are left out for
+    each reason. DAPO's dynamic sampling (grpo.drop_uniform_groups): a group whose scores are all
+    equal has advantages all 0, no signal. DAPO's overlong filtering (train.overlong_filter): a
+    trajectory cut by the token or context budget is not trained on (it still counts in its
+    group's baseline; it is counted as dropped_overlong when its group is not dropped already).
+    scores: [B] returns; groups: [B] group ids.
+    """
+    uniform = torch.zeros(len(trajs), dtype=torch.bool)
+    if cfg.algo == "grpo" and cfg.grpo.drop_uniform_groups:
+        uniform = rl.uniform_groups(scores, groups)
+    overlong = torch.tensor([cfg.train.overlong_filter and t.finish_reason in ("truncated", "context_budget") for t in trajs])
+    return (~uniform & ~overlong).float(), {"dropped_uniform": uniform.sum().item(), "dropped_overlong": (overlong & ~uniform).sum().item()}
+
+
 def global_counts(batch, rows):
     """Action tokens and sequences with action tokens in a mini-batch, over all ranks: the
     denominators that make every micro-batch's loss its share of one global mean."""
@@ -120,6 +138,30 @@ def optimizer_step(model, optimizer, loss_sum, grad_clip):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, float(not finite)
+
+
+def ppo_epochs(models, optimizers, batch, kept, cfg, step, rank, world, device):
+    """
+    PPO epochs over mini-batches of the trajectories that train (kept: this rank's rows): the
+    critic's step, then the policy's (after the critic's warm-up). Every rank takes the same
+    number of optimizer steps, ceil(kept rows of all ranks / mini_batch_size), because each is a
+    collective: a rank left with no rows runs zero-weight passes. Returns the policy's and the
+    critic's [(shares, globals)] (see update_policy).
+    """
+    [total] = all_reduce([len(kept)])
+    n_mini = math.ceil(total / cfg.ppo.mini_batch_size)
+    policy_updates, critic_updates = [], []
+    order_rng = random.Random(f"{cfg.seed}-{step}-{rank}")
+    for epoch in range(cfg.ppo.epochs):
+        order = list(kept)
+        order_rng.shuffle(order)
+        for m in range(n_mini):
+            rows = order[m * len(order) // n_mini:(m + 1) * len(order) // n_mini]
+            if "critic" in models:
+                critic_updates.append(update_critic(models["critic"], optimizers["critic"], batch, rows, cfg, world, device))
+            if cfg.algo != "ppo" or step >= cfg.ppo.critic_warmup_steps:
+                policy_updates.append(update_policy(models["policy"], optimizers["policy"], batch, rows, cfg, world, device))
+    return policy_updates, critic_updates
 
 
 def update_policy(policy, optimizer, batch, rows, cfg, world, device):
@@ -226,22 +268,25 @@ def build_models(cfg, model_path, device):
     return models, ref, optimizers
 
 
-def step_metrics(step, trajs, batch, policy_updates, critic_updates, engine_diff, kl):
+def step_metrics(step, trajs, dropped, batch, policy_updates, critic_updates, engine_diff, kl):
     """The step's metrics, reduced over ranks once: this rank's shares are summed, the values every
-    rank agrees on (grad norms, skips) and the engine/trainer logprob gap are maxed."""
-    rollout = rollout_metrics(trajs)
+    rank agrees on (grad norms, skips) and the engine/trainer logprob gap are maxed. dropped:
+    {reason: trajectories left out of the update}, logged as fractions of all trajectories."""
+    per_trajectory = {**rollout_metrics(trajs), **{k: v / len(trajs) for k, v in dropped.items()}}
     policy_shares, policy_globals = mean_over_updates(policy_updates)
     critic_shares, critic_globals = mean_over_updates(critic_updates)
-    sums = {**{k: v * len(trajs) for k, v in rollout.items()}, **policy_shares, **critic_shares, "trajectories": len(trajs),
-            "action_tokens": batch["action_mask"].sum().item(), "tokens": float(sum(batch["lengths"]))}
+    sums = {**{k: v * len(trajs) for k, v in per_trajectory.items()}, **policy_shares, **critic_shares, "trajectories": len(trajs),
+            "action_tokens": float(sum(sum(t.action_mask) for t in trajs)), "trained_tokens": batch["action_mask"].sum().item(),
+            "tokens": float(sum(batch["lengths"]))}
     if kl is not None:
         sums["kl"] = kl.sum().item()
     maxes = {**policy_globals, **critic_globals, "engine_logprob_diff": engine_diff}
     total = reduce_metrics(sums, maxes)
-    metrics = {"step": step + 1, **{k: total[k] / total["trajectories"] for k in rollout}}
+    metrics = {"step": step + 1, **{k: total[k] / total["trajectories"] for k in per_trajectory}}
     metrics.update({k: total[k] for k in [*policy_shares, *critic_shares, *maxes, "tokens", "action_tokens"]})
-    if kl is not None:
-        metrics["kl"] = total["kl"] / max(total["action_tokens"], 1)
+    metrics["policy_updates"] = len(policy_updates)  # 0 when every trajectory was left out: no step taken
+    if kl is not None:  # over the tokens that train
+        metrics["kl"] = total["kl"] / max(total["trained_tokens"], 1)
     return metrics
 
 
@@ -309,16 +354,22 @@ def main(argv=None):
         for t in trajs:
             task.score(t, cfg)
         batch = collate(trajs, pad_token_id(tokenizer))
-        mask = batch["action_mask"]
         rewards = token_rewards(trajs, batch, cfg.train.tool_call_reward)
+        scores = rewards.sum(-1)  # [B] each trajectory's return, what GRPO compares within its group
+        groups = torch.arange(len(prompts)).repeat_interleave(cfg.rollout.group_size)
+        # the trajectories that train (kept); the others get mask 0, and no forward pass runs over them
+        keep, dropped = trained_rows(trajs, scores, groups, cfg)
+        kept = keep.nonzero().flatten().tolist()
+        mask = batch["action_mask"] = batch["action_mask"] * keep[:, None]
+        rewards = rewards * mask
         t1 = time.perf_counter()
         # 3. old logprobs (recomputed by the trainer), reference logprobs and KL
-        batch["old_logprobs"] = forward_all(lambda i, a: policy_forward(policy, i, a, cfg.rollout.temperature)[0], batch,
+        batch["old_logprobs"] = forward_all(lambda i, a: policy_forward(policy, i, a, cfg.rollout.temperature)[0], batch, kept,
                                             cfg.train.micro_batch_tokens, device) * mask
         engine_diff = ((batch["old_logprobs"] - batch["rollout_logprobs"]).abs() * mask).max().item()
         kl = None
         if ref is not None:
-            batch["ref_logprobs"] = forward_all(lambda i, a: policy_forward(ref, i, a, cfg.rollout.temperature)[0], batch,
+            batch["ref_logprobs"] = forward_all(lambda i, a: policy_forward(ref, i, a, cfg.rollout.temperature)[0], batch, kept,
                                                 cfg.train.micro_batch_tokens, device) * mask
             kl = rl.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], "k1") * mask
             if cfg.train.kl_mode == "reward":  # ppo only (config.validate): k1 on every action token
@@ -326,7 +377,7 @@ def main(argv=None):
         t2 = time.perf_counter()
         # 4. advantages: masked GAE over the critic's values (ppo), or group-normalised scores (grpo)
         if cfg.algo == "ppo":
-            batch["values"] = forward_all(lambda i, a: critic_forward(critic, i, a), batch, cfg.train.micro_batch_tokens, device) * mask
+            batch["values"] = forward_all(lambda i, a: critic_forward(critic, i, a), batch, kept, cfg.train.micro_batch_tokens, device) * mask
             advantages, batch["returns"] = rl.masked_gae(rewards, batch["values"], mask, cfg.ppo.gamma, cfg.ppo.lam)
             if cfg.ppo.whiten_advantages:  # over the action tokens of all ranks
                 n, s, sq = all_reduce([mask.sum().item(), rl.masked_sum(advantages, mask).item(), rl.masked_sum(advantages ** 2, mask).item()])
@@ -334,28 +385,17 @@ def main(argv=None):
                 var = (sq - n * mean ** 2) / max(n - 1, 1)
                 advantages = (advantages - mean) / math.sqrt(var + 1e-8) * mask
         else:
-            groups = torch.arange(len(prompts)).repeat_interleave(cfg.rollout.group_size)
-            advantages = rl.grpo_advantages(rewards.sum(-1), groups, cfg.grpo.eps, cfg.grpo.scale_by_std)[:, None] * mask
+            advantages = rl.grpo_advantages(scores, groups, cfg.grpo.eps, cfg.grpo.scale_by_std)[:, None] * mask
         batch["advantages"] = advantages
-        # 5. PPO epochs over mini-batches: critic, then policy (after the critic's warm-up)
-        policy_updates, critic_updates = [], []
-        rows_per_mini, order_rng = cfg.ppo.mini_batch_size // world, random.Random(f"{cfg.seed}-{step}-{rank}")
-        for epoch in range(cfg.ppo.epochs):
-            order = list(range(len(trajs)))
-            order_rng.shuffle(order)
-            for s in range(0, len(order), rows_per_mini):
-                rows = order[s:s + rows_per_mini]
-                if critic is not None:
-                    critic_updates.append(update_critic(critic, optimizers["critic"], batch, rows, cfg, world, device))
-                if cfg.algo != "ppo" or step >= cfg.ppo.critic_warmup_steps:
-                    policy_updates.append(update_policy(policy, optimizers["policy"], batch, rows, cfg, world, device))
+        # 5. PPO epochs over mini-batches of the kept trajectories: critic, then policy (after the critic's warm-up)
+        policy_updates, critic_updates = ppo_epochs(models, optimizers, batch, kept, cfg, step, rank, world, device)
         t3 = time.perf_counter()
         # 6. the new weights into the engine; one line of metrics
         engine.wake(["weights"])
         engine.load_weights(full_tensors(policy))
         engine.wake(["kv_cache"])
         t4 = time.perf_counter()
-        metrics = step_metrics(step, trajs, batch, policy_updates, critic_updates, engine_diff, kl)
+        metrics = step_metrics(step, trajs, dropped, batch, policy_updates, critic_updates, engine_diff, kl)
         metrics.update({"lr": get_lr(step, cfg.train.lr, cfg.train.warmup_steps), "time/rollout": t1 - t0, "time/forward": t2 - t1,
                         "time/update": t3 - t2, "time/push": t4 - t3, "time/step": t4 - t0, "tokens_per_s": metrics.pop("tokens") / (t4 - t0),
                         "action_tokens_per_s": metrics.pop("action_tokens") / (t4 - t0)})
@@ -364,7 +404,7 @@ def main(argv=None):
         print0(f"step {step + 1:4d}/{cfg.steps} | reward {metrics['reward']:.3f} | turns {metrics['turns']:.2f} | "
                f"resp {metrics['response_tokens']:.0f} | kl {metrics.get('kl', metrics.get('approx_kl', 0)):.4f} | "
                f"clip {metrics.get('clipfrac', 0):.3f} | ent {metrics.get('entropy', 0):.3f} | gnorm {metrics.get('grad_norm', 0):.3f} | "
-               f"skip {metrics.get('skipped', 0):.2f} | rollout {t1 - t0:.1f}s fwd {t2 - t1:.1f}s upd {t3 - t2:.1f}s push {t4 - t3:.2f}s | "
+               f"skip {metrics.get('skipped', 0):.2f} | drop {metrics['dropped_uniform']:.2f}+{metrics['dropped_overlong']:.2f} | rollout {t1 - t0:.1f}s fwd {t2 - t1:.1f}s upd {t3 - t2:.1f}s push {t4 - t3:.2f}s | "
                f"{metrics['tokens_per_s']:.0f} tok/s" + (f" | eval {metrics['eval/reward']:.3f}" if "eval/reward" in metrics else ""))
         log.log(metrics)
 

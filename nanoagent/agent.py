@@ -81,6 +81,11 @@ def start_trajectories(env, samples, max_context_tokens):
     return trajs
 
 
+def turn_seed(seed, i, turn):
+    """The sampling seed of trajectory i's turn (None: unseeded): its own, whatever else runs."""
+    return None if seed is None else (seed * 1_000_003 + i * 1009 + turn) % 2**31
+
+
 def take_turn(t, gen, budget, turn, max_turns, max_new_tokens, tokenizer):
     """
     Append a generated action to the trajectory. Returns (content, ended_with_eos, calls) when its
@@ -136,8 +141,7 @@ def run_agent(engine, env, samples, sampling, max_turns, max_context_tokens, see
 
     def submit(i, turn):
         budget = min(sampling.max_new_tokens, max_context_tokens - len(trajs[i]))
-        turn_seed = None if seed is None else (seed * 1_000_003 + i * 1009 + turn) % 2**31
-        engine.submit(f"{i}-{turn}", trajs[i].prompt_ids + trajs[i].response_ids, sampling, budget, turn_seed)
+        engine.submit(f"{i}-{turn}", trajs[i].prompt_ids + trajs[i].response_ids, sampling, budget, turn_seed(seed, i, turn))
         generating[f"{i}-{turn}"] = (i, turn, budget)
 
     for i in range(len(trajs)):

@@ -74,6 +74,7 @@ class PPOConfig:
 class GRPOConfig:
     scale_by_std: bool = opt(True, "divide by the group std (False: mean-centred only)")
     eps: float = opt(1e-6, "added to the group std")
+    drop_uniform_groups: bool = opt(True, "leave groups whose rewards are all equal out of the update (DAPO's dynamic sampling): they carry no signal, only dilute the loss; logged as dropped_uniform")
 
 
 @dataclass
@@ -89,6 +90,7 @@ class TrainConfig:
     entropy_coef: float = opt(0.0, "entropy bonus coefficient")
     tis: bool = opt(False, "truncated importance sampling for engine-vs-trainer logprob mismatch")
     tis_cap: float = opt(2.0, "cap of the importance weights")
+    overlong_filter: bool = opt(False, "leave trajectories cut by the token or context budget (finish reason truncated or context_budget) out of the update (DAPO's overlong filtering); logged as dropped_overlong")
     dtype: Literal["bfloat16", "float32"] = opt("bfloat16", "compute dtype of policy, critic and reference (fp32 master weights and gradient reduction); the same on CPU and GPU")
     activation_checkpointing: bool = opt(True, "recompute activations in the backward pass")
     save_every: int = opt(50, "checkpoint every N steps (0: only at the end and on SIGTERM)")

@@ -215,8 +215,8 @@ def synced_micro_batches(lengths, token_budget):
     batches = micro_batches(lengths, token_budget)
     [count] = all_reduce([len(batches)], "max")
     while len(batches) < count:
-        largest = max(range(len(batches)), key=lambda b: len(batches[b]))
-        if len(batches[largest]) > 1:
+        largest = max(range(len(batches)), key=lambda b: len(batches[b]), default=None)
+        if largest is not None and len(batches[largest]) > 1:
             half = len(batches[largest]) // 2
             batches[largest:largest + 1] = [batches[largest][:half], batches[largest][half:]]
         else:
@@ -226,16 +226,16 @@ def synced_micro_batches(lengths, token_budget):
 
 def micro_steps(batch, rows, token_budget, device):
     """
-    The micro-batches of `rows` (this rank's row indices into batch), kept in step across ranks:
-    the one iterator every forward and backward pass goes through. Yields (idx, get): idx the rows
-    of the micro-batch, get(key) that tensor for them on the device, cut to their longest row.
-    An empty micro-batch comes as idx [] and get() over one row, so its collectives still run;
-    its results must be given weight 0.
+    The micro-batches of `rows` (this rank's row indices into batch, maybe none), kept in step
+    across ranks: the one iterator every forward and backward pass goes through. Yields (idx, get):
+    idx the rows of the micro-batch, get(key) that tensor for them on the device, cut to their
+    longest row. An empty micro-batch comes as idx [] and get() over one row of the batch, so its
+    collectives still run; its results must be given weight 0.
     """
     lengths = [batch["lengths"][i] for i in rows]
     for micro in synced_micro_batches(lengths, token_budget):
         idx = [rows[i] for i in micro]
-        run = idx or rows[:1]
+        run = idx or (rows or [0])[:1]
         width = max(batch["lengths"][i] for i in run)
 
         def get(key, run=run, width=width):
@@ -244,10 +244,11 @@ def micro_steps(batch, rows, token_budget, device):
 
 
 @torch.no_grad()
-def forward_all(model_fn, batch, micro_batch_tokens, device):
-    """A per-token forward function (ids, attention -> [b, l]) over all rows; [B, L] on the CPU."""
+def forward_all(model_fn, batch, rows, micro_batch_tokens, device):
+    """A per-token forward function (ids, attention -> [b, l]) over the given rows of the batch;
+    [B, L] on the CPU, 0 on the other rows."""
     out = torch.zeros(batch["input_ids"].shape)
-    for idx, get in micro_steps(batch, list(range(len(batch["lengths"]))), micro_batch_tokens, device):
+    for idx, get in micro_steps(batch, rows, micro_batch_tokens, device):
         result = model_fn(get("input_ids"), get("attention_mask"))
         if idx:
             out[idx, :result.shape[1]] = result.float().cpu()

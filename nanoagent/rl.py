@@ -7,7 +7,8 @@ Everything here respects that mask exactly:
 - masked_gae runs the GAE recursion over action tokens only: an observation neither gets an
   advantage nor breaks the recursion (the last action token of turn k bootstraps from the value of
   the first action token of turn k+1, with no discount across the observation);
-- grpo_advantages normalises scores within groups of rollouts of the same prompt;
+- grpo_advantages normalises scores within groups of rollouts of the same prompt, and
+  uniform_groups finds the groups whose scores are all equal (no signal: DAPO drops them);
 - ppo_policy_loss / clipped_value_loss return per-token losses, zero where mask = 0;
 - aggregate_loss turns per-token losses into this micro-batch's share of one global scalar, so the
   gradient does not depend on how a batch is split into micro-batches and ranks.
@@ -86,6 +87,20 @@ def grpo_advantages(scores, group_ids, eps=1e-6, scale_by_std=True):
     # denom is 0 only when eps = 0 and the group's scores are all equal, and then centred is 0 too
     advantages = centred / torch.where(denom > 0, denom, torch.ones_like(denom)) if scale_by_std else centred
     return torch.where(count[inverse] > 1, advantages, torch.zeros_like(advantages))
+
+
+def uniform_groups(scores, group_ids, tol=1e-6):
+    """
+    DAPO's dynamic sampling: [B] bool, True on the rows of groups whose scores all lie within tol
+    of each other (a group of one included). Their GRPO advantages are all 0, so they carry no
+    policy-gradient signal; kept in the update they only dilute a token-mean loss's denominator
+    and add KL and entropy terms with no reward behind them. scores: [B]; group_ids: [B] integers.
+    """
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    G = int(inverse.max()) + 1
+    high = scores.new_full((G,), -float("inf")).scatter_reduce(0, inverse, scores, "amax")
+    low = scores.new_full((G,), float("inf")).scatter_reduce(0, inverse, scores, "amin")
+    return (high - low)[inverse] <= tol
 
 
 # -----------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """
-Run under torchrun (gloo): the gradient of one PPO update of the trainer (train.update_policy) on a
-fixed batch, with FSDP2 over WORLD_SIZE ranks and micro-batches under `--micro-tokens`; rank 0
-saves the full gradient and the logged metrics. tests/test_distributed.py compares them with
-grad_of, a plain single-process computation of the same loss.
+Run under torchrun (gloo): the gradient of one PPO update of the trainer (train.ppo_epochs) on a
+fixed batch, with FSDP2 over WORLD_SIZE ranks and micro-batches under `--micro-tokens`, training on
+the rows in `--keep` (all by default; rank r holds rows r, r + WORLD_SIZE, ...); rank 0 saves the
+full gradient and the logged metrics. tests/test_distributed.py compares them with grad_of, a plain
+single-process computation of the same loss.
 """
 
 import argparse
@@ -45,12 +46,13 @@ def grad_of(model, rows, masks, advantages, indices, micro, global_tokens):
 
 
 def main():
-    """The gradient of one policy update through train.update_policy (SGD with lr 1, so the
-    parameter change is minus the gradient), with this rank's rows and micro-batch token budget."""
+    """The gradient of one policy update through train.ppo_epochs (SGD with lr 1, so the
+    parameter change is minus the gradient), with this rank's kept rows and micro-batch token budget."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--micro-tokens", type=int, required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--keep", type=int, nargs="*", default=None, help="the rows that train (default: all)")
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import train
@@ -68,7 +70,8 @@ def main():
     shard(model)
     before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    shares, _ = train.update_policy(model, optimizer, data, list(range(rank, len(rows), world)), cfg, world, torch.device("cpu"))
+    kept = [i for i in range(rank, len(rows), world) if args.keep is None or i in args.keep]
+    [(shares, _)], _ = train.ppo_epochs({"policy": model}, {"policy": optimizer}, data, kept, cfg, 0, rank, world, torch.device("cpu"))
     grads = {n: before[n] - p.full_tensor() for n, p in model.named_parameters()}
     metrics = reduce_metrics(shares, {})  # what train.py logs
     if rank == 0:

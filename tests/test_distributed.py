@@ -22,9 +22,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def torchrun_grad(model_dir, nproc, micro_tokens, out):
+def torchrun_grad(model_dir, nproc, micro_tokens, out, keep=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-           os.path.join(HERE, "dist_grad.py"), "--model", model_dir, "--micro-tokens", str(micro_tokens), "--out", str(out)]
+           os.path.join(HERE, "dist_grad.py"), "--model", model_dir, "--micro-tokens", str(micro_tokens), "--out", str(out),
+           *(["--keep", *map(str, keep)] if keep is not None else [])]
     env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -44,3 +45,17 @@ def test_fsdp2_gradient_matches_single_process(tiny_model_dir, tmp_path):
             torch.testing.assert_close(g, reference[name], atol=2e-6, rtol=1e-4, msg=f"{name} nproc={nproc} micro_tokens={micro_tokens}")
         # the logged loss is the global loss, not one rank's share of it
         assert out["metrics"]["pg_loss"] == pytest.approx(loss, rel=1e-5), (nproc, micro_tokens)
+
+
+def test_a_rank_left_with_no_rows_trains_on_the_others(tiny_model_dir, tmp_path):
+    """Dropped trajectories (uniform groups, overlong) leave rank 1 with nothing to train on: it
+    still runs every collective, and the update is the one of the kept rows alone."""
+    model = load_causal_lm(tiny_model_dir)
+    rows, masks, advantages = batch(model.config.vocab_size)
+    keep = [0, 2, 4]  # rank 0 holds rows 0, 2, 4, 6; rank 1 holds 1, 3, 5, 7
+    loss = grad_of(model, rows, masks, advantages, keep, 8, sum(sum(masks[i]) for i in keep))
+    reference = {n: p.grad for n, p in model.named_parameters()}
+    out = torchrun_grad(tiny_model_dir, 2, 25, tmp_path / "kept.pt", keep)
+    for name, g in out["grads"].items():
+        torch.testing.assert_close(g, reference[name], atol=2e-6, rtol=1e-4, msg=name)
+    assert out["metrics"]["pg_loss"] == pytest.approx(loss, rel=1e-5)

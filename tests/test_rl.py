@@ -113,6 +113,16 @@ def test_grpo_identical_scores_give_zero_and_list_labels_work():
     torch.testing.assert_close(adv, torch.tensor([-1 / (math.sqrt(2) + 1e-6), 1 / (math.sqrt(2) + 1e-6), 0.0]))
 
 
+def test_uniform_groups_hand_built():
+    """Groups whose scores are all equal (a group of one too) and only they; their GRPO advantages are all 0."""
+    scores = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.5, 0.5 + 1e-9, 0.0, 0.0, 0.3])
+    groups = torch.tensor([4, 4, 4, 9, 9, 9, 2, 2, 0, 0, 5])
+    uniform = rl.uniform_groups(scores, groups)
+    assert uniform.tolist() == [True] * 3 + [False] * 3 + [True] * 5
+    assert torch.all(rl.grpo_advantages(scores, groups)[uniform] == 0)
+    assert not rl.uniform_groups(torch.tensor([2.0, 2.0, 2.0 + 1e-3]), torch.tensor([1, 1, 1])).any()
+
+
 # ----------------------------------------------------------------------------- policy loss
 
 def test_ppo_policy_loss_hand_computed():

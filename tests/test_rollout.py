@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import scripted
 from nanoagent.agent import run_agent
 from nanoagent.engine import HFEngine, SamplingConfig, VLLMEngine, stop_token_ids
+from nanoagent.model import collate, load_causal_lm, policy_forward
 from nanoagent.retriever import InMemoryRetriever, load_encoder, packaged_minilm_path
 from nanoagent.reward import score_trajectory
 from nanoagent.tools import Tool, ToolEnv, calculator_tool, make_tools, search_tool
@@ -259,3 +260,75 @@ def test_trajectories_do_not_depend_on_when_tools_answer(engine, env, monkeypatc
     for a, b in zip(*runs):
         assert (a.response_ids, a.action_mask, a.finish_reason) == (b.response_ids, b.action_mask, b.finish_reason)
         torch.testing.assert_close(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def tagging_qwen_dir(qwen_model_dir, tmp_path_factory):
+    """
+    The random model under Qwen2.5's real vocabulary, made to write <tool_call>, </tool_call> and
+    <|im_end|> among its random tokens, and single bytes often. Every embedding row (tied to the LM
+    head) gets the same first coordinate, which the residual stream carries up to dominate the last
+    normalised hidden state; the three tags get a larger one, the 256 single-byte tokens a somewhat
+    larger one, and the padding rows past the tokenizer's last token (no token at all) a negative
+    one. So sampled turns open calls (malformed: their bodies are random tokens), stop on
+    </tool_call> or EOS or run out of budget, and error observations follow; and actions are often
+    not what their decoded text encodes to (bytes that BPE merges, halves of characters), so a turn
+    that re-encoded its history would see other ids than the ones that were sampled.
+    """
+    tok = AutoTokenizer.from_pretrained(qwen_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(qwen_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        first = model.model.embed_tokens.weight[:, 0]  # [V]
+        first.fill_(1.0)
+        first[:256] = 1.5
+        first[tok.convert_tokens_to_ids(["<tool_call>", "</tool_call>", "<|im_end|>"])] = 1.9
+        first[len(tok):] = -1.0
+    path = str(tmp_path_factory.mktemp("tagging_qwen"))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_trajectories_are_token_exact_under_qwens_vocabulary(tagging_qwen_dir, monkeypatch):
+    """
+    Sampled multi-turn trajectories under Qwen2.5's tokenizer, template and stop ids, through the
+    real vLLM engine: each turn's prompt is the ids sampled and observed so far (never re-encoded,
+    though here that would change them), observations are the template's canonical tokens where
+    Qwen's merges reach across a result's edge (".\\n" is one token), every turn stops right after
+    </tool_call> or EOS, and the trainer's forward gives the logprobs the engine sampled with.
+    """
+    tok = AutoTokenizer.from_pretrained(tagging_qwen_dir)
+    # No tools: the calls' bodies are random tokens, so every call is malformed whatever the tools, and
+    # without their schemas the rows are short and the trainer's forward over 151,936 logits cheap.
+    # No system message either: Qwen's template puts in its default one.
+    env = ToolEnv([], tok, max_obs_tokens=64)
+    stop = stop_token_ids(tok)
+    assert stop == sorted(tok.convert_tokens_to_ids(["<|im_end|>", "</tool_call>"]))
+    engine = VLLMEngine(tagging_qwen_dir, stop, MAX_CONTEXT, dtype="float32", seed=0)
+    sent = []  # every prompt the engine was given
+    submit = engine.submit
+    monkeypatch.setattr(engine, "submit", lambda request_id, prompt_ids, *args: (sent.append(prompt_ids), submit(request_id, prompt_ids, *args))[1])
+    sampling = SamplingConfig(max_new_tokens=16, temperature=0.8)
+    prompts = [{"id": i, "messages": [{"role": "user", "content": f"What is {i}*7?"}]} for i in range(8)]
+    trajs = run_agent(engine, env, prompts, sampling, max_turns=4, max_context_tokens=MAX_CONTEXT, seed=0)
+
+    turns = [(t.prompt_ids + t.response_ids[:s], t.response_ids[s:e]) for t in trajs for s, e in t.turn_spans]
+    assert sorted(sent) == sorted(history for history, _ in turns)  # token-in/token-out
+    earlier = [t.response_ids[s:e] for t in trajs for s, e in t.turn_spans[:-1]]  # actions that later prompts hold
+    assert any(tok.encode(tok.decode(a, skip_special_tokens=False), add_special_tokens=False) != a for a in earlier)
+    for traj in trajs:
+        check_token_exact(traj, env)
+    observed = {i for t in trajs for i, m in zip(t.response_ids, t.action_mask) if m == 0}
+    assert tok.convert_tokens_to_ids(".Ċ") in observed  # Qwen's merge across the end of a result ("...</tool_call>.")
+    results = [c.result for t in trajs for c in t.tool_calls]
+    assert any("invalid JSON" in r for r in results) and any("was not closed" in r for r in results)
+    for _, action in turns:
+        assert not set(action[:-1]) & set(stop), tok.decode(action)  # a turn ends at its first stop id
+        assert action[-1] in stop or len(action) == sampling.max_new_tokens
+    assert {a[-1] if a[-1] in stop else "length" for _, a in turns} == set(stop) | {"length"}
+
+    batch = collate(trajs, tok.pad_token_id)
+    with torch.no_grad():
+        logprobs, _ = policy_forward(load_causal_lm(tagging_qwen_dir), batch["input_ids"], batch["attention_mask"], sampling.temperature)
+    mask = batch["action_mask"].bool()
+    torch.testing.assert_close(batch["rollout_logprobs"][mask], logprobs[mask], atol=1e-4, rtol=0)

@@ -3,17 +3,26 @@ Rollout speed on this machine (prints figures; asserts nothing).
 
     python bench/bench_rollout.py
 
-1. The multi-turn loop's overhead: tokens/s of run_agent (generate, parse, run tools, render
-   observations, next turn) against raw single-turn generation of the same number of tokens per
-   trajectory from the same prompts (vLLM with min_tokens = max_tokens), same engine, same process.
-   The model is the tiny model after memorising the scripted tool-using conversations of
-   tests/scripted.py, so trajectories really call tools over several turns.
+1. The agent loop against raw generation, for the same trajectories. The model is the tiny model
+   after memorising the scripted tool-using conversations of tests/scripted.py, so trajectories
+   really call tools (calculator, batched search) over one to three turns; sampling is seeded per
+   trajectory and turn, so both loops roll out exactly the same trajectories (checked). Reported:
+   - raw generation: each trajectory's action tokens sampled in one request from its prompt
+     (min_tokens = max_tokens), all together: what the engine does without any agent loop;
+   - the old loop, batch per turn (kept here as the baseline): all live trajectories generate a
+     turn together, then all their tool calls run, then the next turn starts;
+   - the new loop, nanoagent.agent.run_agent: each trajectory scheduled on its own;
+   with tools that answer at once and with tools that answer after 0-200 ms (drawn per call from
+   a fixed seed and the call's arguments, so a call waits as long in both loops), and the engine's
+   idle fraction (the share of the loop's time with nothing to generate, waiting for tools).
 2. VLLMEngine.load_weights: one call handing vLLM an iterator over all tensors, against one
    reload call per parameter (the "storm" it avoids), for the tiny model and a ~80M model.
-Medians of several runs.
+Medians of several runs, in one process.
 """
 
+import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -28,36 +37,94 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import scripted  # noqa: E402
-from nanoagent.agent import run_agent  # noqa: E402
+from nanoagent.agent import observe, run_agent, start_trajectories, take_turn, turn_seed  # noqa: E402
 from nanoagent.common import median_time  # noqa: E402
 from nanoagent.engine import SamplingConfig, VLLMEngine, stop_token_ids  # noqa: E402
 from nanoagent.retriever import InMemoryRetriever, load_encoder, packaged_minilm_path  # noqa: E402
 from nanoagent.tiny import build_tiny_model  # noqa: E402
-from nanoagent.tools import ToolEnv, calculator_tool, search_tool  # noqa: E402
+from nanoagent.tools import Tool, ToolEnv, calculator_tool, search_tool  # noqa: E402
 
-REPEATS = 3
+REPEATS = 5
+MAX_TURNS, MAX_CONTEXT, SEED = 4, 2048, 7
 
 
-def bench_loop(engine, env, copies):
+def batch_per_turn(engine, env, samples, sampling, max_turns, max_context_tokens, seed=None, timing=None):
+    """The loop run_agent replaced: every turn, all live trajectories generate together, then all
+    their tool calls run (one env.run), then the next turn. Same interface and trajectories as run_agent."""
+    trajs = start_trajectories(env, samples, max_context_tokens)
+    live, engine_s, idle_s = list(range(len(trajs))), 0.0, 0.0
+    for turn in range(max_turns):
+        budgets = [min(sampling.max_new_tokens, max_context_tokens - len(trajs[i])) for i in live]
+        start = time.perf_counter()
+        gens = engine.generate([trajs[i].prompt_ids + trajs[i].response_ids for i in live], sampling, budgets,
+                               [turn_seed(seed, i, turn) for i in live])
+        engine_s += time.perf_counter() - start
+        pending = [(i, take_turn(trajs[i], gen, budget, turn, max_turns, sampling.max_new_tokens, env.tokenizer))
+                   for i, gen, budget in zip(live, gens, budgets)]
+        pending = [(i, *p) for i, p in pending if p is not None]
+        start = time.perf_counter()
+        env.run([c for *_, calls in pending for c in calls])
+        idle_s += time.perf_counter() - start
+        live = [i for i, content, eos, calls in pending if observe(trajs[i], env, content, eos, calls, max_context_tokens)]
+    timing.update(engine_s=engine_s, idle_s=idle_s)
+    return trajs
+
+
+def with_latency(env, most, seed):
+    """The same tools, each call answering after a delay in [0, most) s drawn from (seed, its
+    arguments); a batch of calls answers after the longest of their delays."""
+    def delay(arguments):
+        return random.Random(f"{seed}-{json.dumps(arguments, sort_keys=True)}").uniform(0, most)
+
+    def slowed(tool):
+        def call(arguments):
+            time.sleep(delay(arguments))
+            return tool.call(arguments)
+
+        def call_batch(arguments):
+            time.sleep(max(map(delay, arguments)))
+            return tool.call_batch(arguments)
+        return Tool(tool.name, tool.description, tool.parameters, call, call_batch if tool.call_batch else None)
+    return ToolEnv([slowed(t) for t in env.tools.values()], env.tokenizer, env.max_obs_tokens, env.timeout_s)
+
+
+def raw_generation(engine, trajs):
+    """Each trajectory's action tokens, sampled in one request from its prompt, all together."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+    params = [SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=1.0, logprobs=0, detokenize=False)
+              for n in (sum(t.action_mask) for t in trajs)]
+    engine.llm.generate([TokensPrompt(prompt_token_ids=t.prompt_ids) for t in trajs], params, use_tqdm=False)
+
+
+def bench_loops(engine, env, copies):
     samples = [{"id": q, "messages": scripted.user(q)} for q in scripted.SCRIPTS if q != "Wait a long time."] * copies
     sampling = SamplingConfig(max_new_tokens=64, temperature=1.0)
-    run_agent(engine, env, samples[:8], sampling, 4, 2048)  # warm-up
-    loop_times, raw_times, tokens, turns = [], [], 0, 0
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        trajs = run_agent(engine, env, samples, sampling, max_turns=4, max_context_tokens=2048)
-        loop_times.append(time.perf_counter() - start)
-        counts = [sum(t.action_mask) for t in trajs]
-        tokens, turns = sum(counts), sum(len(t.turn_spans) for t in trajs) / len(trajs)
-        params = [SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=1.0, logprobs=0, detokenize=False) for n in counts]
-        start = time.perf_counter()
-        engine.llm.generate([TokensPrompt(prompt_token_ids=t.prompt_ids) for t in trajs], params, use_tqdm=False)
-        raw_times.append(time.perf_counter() - start)
-    loop, raw = statistics.median(loop_times), statistics.median(raw_times)
-    print(f"multi-turn loop: {len(samples)} trajectories, {turns:.2f} turns each, {tokens} action tokens")
-    print(f"  loop {tokens / loop:,.0f} tokens/s ({loop:.2f} s) | raw generation {tokens / raw:,.0f} tokens/s ({raw:.2f} s) | loop/raw time {loop / raw:.2f}x")
+    loops = {"old": batch_per_turn, "new": run_agent}
+    print(f"agent loop: {len(samples)} trajectories, max {MAX_TURNS} turns, seeded sampling at temperature 1")
+    print(f"{'tools':>9} | {'raw gen':>7} | {'old loop':>8} {'x raw':>6} {'idle':>5} | {'new loop':>8} {'x raw':>6} {'idle':>5} | new vs old")
+    for label, tools in [("at once", env), ("0-200 ms", with_latency(env, 0.2, SEED))]:
+        times, idle, trajs = {"raw": [], "old": [], "new": []}, {"old": [], "new": []}, {}
+        for repeat in range(REPEATS + 1):  # the first is a warm-up
+            for name, loop in loops.items():
+                timing = {}
+                start = time.perf_counter()
+                trajs[name] = loop(engine, tools, samples, sampling, MAX_TURNS, MAX_CONTEXT, seed=SEED, timing=timing)
+                seconds = time.perf_counter() - start
+                if repeat:
+                    times[name].append(seconds)
+                    idle[name].append(timing["idle_s"] / seconds)
+            start = time.perf_counter()
+            raw_generation(engine, trajs["new"])
+            if repeat:
+                times["raw"].append(time.perf_counter() - start)
+        same = all((a.response_ids, a.action_mask) == (b.response_ids, b.action_mask) for a, b in zip(trajs["old"], trajs["new"]))
+        raw, old, new = (statistics.median(times[k]) for k in ("raw", "old", "new"))
+        tokens = sum(sum(t.action_mask) for t in trajs["new"])
+        turns = sum(len(t.turn_spans) for t in trajs["new"]) / len(samples)
+        print(f"{label:>9} | {raw:6.2f}s | {old:7.2f}s {old / raw:5.2f}x {statistics.median(idle['old']):5.0%} | "
+              f"{new:7.2f}s {new / raw:5.2f}x {statistics.median(idle['new']):5.0%} | {old / new:.2f}x faster"
+              f"   ({tokens} action tokens, {turns:.2f} turns each, same trajectories in both loops: {'yes' if same else 'NO'})")
 
 
 def bench_reload(engine, model_dir, label):
@@ -78,7 +145,7 @@ def main():
     env = ToolEnv([calculator_tool(), search_tool(retriever, 1)], tok, max_obs_tokens=64, timeout_s=2.0)
     model_dir, _ = scripted.memorise(base, os.path.join(tmp, "scripted"), env, steps=150)
     engine = VLLMEngine(model_dir, stop_token_ids(tok), 2048, dtype="float32")
-    bench_loop(engine, env, copies=16)
+    bench_loops(engine, env, copies=8)
     bench_reload(engine, model_dir, "tiny")
     del engine
     bigger = build_tiny_model(os.path.join(tmp, "bigger"), hidden_size=1024, num_layers=8)

@@ -37,7 +37,9 @@ def test_ppo_and_grpo_improve_on_the_warm_start(tmp_path):
     for algo in ("grpo", "ppo"):
         metrics = train(tmp_path / algo, f"model={export}", f"algo={algo}", *RL)
         evals = [(m["step"], m["eval/reward"]) for m in metrics if "eval/reward" in m]
-        curves[algo] = {"train_reward": [round(m["reward"], 3) for m in metrics if "time/step" in m], "eval_reward": evals}
+        steps = [m for m in metrics if "time/step" in m]
+        curves[algo] = {"train_reward": [round(m["reward"], 3) for m in steps], "eval_reward": evals,
+                        "dropped_uniform": [round(m["dropped_uniform"], 3) for m in steps]}
         assert evals[0] == (0, pytest.approx(start, abs=1e-6))  # RL starts where the warm start ended
     print(json.dumps(curves))
     for algo, curve in curves.items():

@@ -336,8 +336,18 @@ def main(argv=None):
         metrics = {"step": 0, **evaluate(engine, env, task, val_rows, cfg, rank, world)}
         print0("step    0 | " + " | ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k != "step"))
         log.log(metrics)
-    stop = {"sigterm": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
+    # A SIGTERM (a preemption: torchrun passes its own on to every worker and kills them
+    # --shutdown-timeout seconds later, 30 by default) is acted on at the next safe point, after the
+    # rollout or after the update, on every rank together: checkpoint, then exit 143 so that a
+    # scheduler sees a run that did not finish.
+    sigterm = {"received": False}
+    signal.signal(signal.SIGTERM, lambda *_: sigterm.update(received=True))
+    saved_step = start_step if checkpoint else None
+
+    def save(step):
+        path = save_checkpoint(cfg.run_dir, step, models, optimizers, {"data_position": step * cfg.rollout.prompts_per_step})
+        print0(f"checkpoint: {path}")
+        return step
 
     for step in range(start_step, cfg.steps):
         t0 = time.perf_counter()
@@ -350,6 +360,11 @@ def main(argv=None):
         trajs = run_agent(engine, env, [p for p in prompts for _ in range(cfg.rollout.group_size)], sampling, cfg.rollout.max_turns,
                           cfg.rollout.max_context_tokens, seed=cfg.seed * 100_003 + step * world + rank)
         engine.sleep()
+        if all_reduce([float(sigterm["received"])])[0]:  # the rollout is dropped; the state this step started from is saved
+            print0(f"SIGTERM during step {step + 1}'s rollout: checkpoint of step {step}, stopping")
+            if saved_step != step:
+                save(step)
+            return 143
         # 2. rewards: the task scores each trajectory; rewards sit on action tokens
         for t in trajs:
             task.score(t, cfg)
@@ -395,11 +410,12 @@ def main(argv=None):
         engine.load_weights(full_tensors(policy))
         engine.wake(["kv_cache"])
         t4 = time.perf_counter()
+        [stopping] = all_reduce([float(sigterm["received"])])
         metrics = step_metrics(step, trajs, dropped, batch, policy_updates, critic_updates, engine_diff, kl)
         metrics.update({"lr": get_lr(step, cfg.train.lr, cfg.train.warmup_steps), "time/rollout": t1 - t0, "time/forward": t2 - t1,
                         "time/update": t3 - t2, "time/push": t4 - t3, "time/step": t4 - t0, "tokens_per_s": metrics.pop("tokens") / (t4 - t0),
                         "action_tokens_per_s": metrics.pop("action_tokens") / (t4 - t0)})
-        if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.steps):
+        if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.steps) and not stopping:
             metrics.update(evaluate(engine, env, task, val_rows, cfg, rank, world))
         print0(f"step {step + 1:4d}/{cfg.steps} | reward {metrics['reward']:.3f} | turns {metrics['turns']:.2f} | "
                f"resp {metrics['response_tokens']:.0f} | kl {metrics.get('kl', metrics.get('approx_kl', 0)):.4f} | "
@@ -408,14 +424,12 @@ def main(argv=None):
                f"{metrics['tokens_per_s']:.0f} tok/s" + (f" | eval {metrics['eval/reward']:.3f}" if "eval/reward" in metrics else ""))
         log.log(metrics)
 
-        # checkpoints: every save_every steps, at the end, and when asked to stop (SIGTERM on any rank)
-        [sigterm] = all_reduce([float(stop["sigterm"])])
-        if sigterm or step + 1 == cfg.steps or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
-            path = save_checkpoint(cfg.run_dir, step + 1, models, optimizers, {"data_position": (step + 1) * cfg.rollout.prompts_per_step})
-            print0(f"checkpoint: {path}")
-        if sigterm:
-            print0("SIGTERM: checkpoint written, stopping")
-            break
+        # checkpoints: every save_every steps, at the end, and after a SIGTERM
+        if stopping or step + 1 == cfg.steps or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
+            saved_step = save(step + 1)
+        if stopping:
+            print0(f"SIGTERM during step {step + 1}: checkpoint of step {step + 1} written, stopping")
+            return 143
 
     export_dir = os.path.join(cfg.run_dir, "hf")
     export_hf(policy, tokenizer, export_dir, torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32)

@@ -37,20 +37,29 @@ def init_distributed():
     """
     One process per GPU (or CPU rank) under torchrun; a plain `python train.py` is a world of one.
     Returns (rank, world_size, device).
+
+    The world of one serves its process group's store on loopback only: PyTorch's TCPStore listens
+    on every interface, whatever its host name says, unless it is handed a socket that is already
+    listening. Under torchrun the store is torchrun's own (its agent serves it to the workers), and
+    torchrun has no setting for the interface: see the README's reliability section.
     """
+    store = None
     if "RANK" not in os.environ:  # not launched by torchrun
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, master_listen_fd=listener.detach())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group(process_group_backend(device), device_id=device)
+        dist.init_process_group(process_group_backend(device), store=store, rank=rank, world_size=world, device_id=device)
     else:
         device = torch.device("cpu")
-        dist.init_process_group(process_group_backend(device))
+        dist.init_process_group(process_group_backend(device), store=store, rank=rank, world_size=world)
     return dist.get_rank(), dist.get_world_size(), device
 
 

@@ -59,3 +59,18 @@ def test_a_rank_left_with_no_rows_trains_on_the_others(tiny_model_dir, tmp_path)
     for name, g in out["grads"].items():
         torch.testing.assert_close(g, reference[name], atol=2e-6, rtol=1e-4, msg=name)
     assert out["metrics"]["pg_loss"] == pytest.approx(loss, rel=1e-5)
+
+
+def test_a_world_of_one_serves_its_store_on_loopback_only():
+    """`python train.py` (no torchrun) serves the process group's store on 127.0.0.1, not on every
+    interface: what each socket listening on its port is bound to, from /proc/net/tcp{,6}."""
+    code = ("import os; from nanoagent.common import init_distributed; init_distributed(); port = int(os.environ['MASTER_PORT'])\n"
+            "for table in ('/proc/net/tcp', '/proc/net/tcp6'):\n"
+            "    for line in open(table).readlines()[1:]:\n"
+            "        address, hex_port = line.split()[1].split(':')\n"
+            "        if int(hex_port, 16) == port and line.split()[3] == '0A':  # 0A: LISTEN\n"
+            "            print(address)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**env, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["0100007F"], proc.stdout  # 127.0.0.1, and nothing else listens on the store's port

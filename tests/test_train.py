@@ -7,9 +7,12 @@ A short imitation warm start gives the tiny model rewards that vary, so updates 
 import json
 import math
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -107,3 +110,38 @@ def test_nan_loss_skips_the_update_and_is_logged(tmp_path):
     assert first["skipped"] > 0 and second["skipped"] == 0  # the fraction of the step's optimizer steps skipped
     assert f"skip {first['skipped']:.2f}" in out
     assert first["engine_logprob_diff"] <= 1e-4 and second["engine_logprob_diff"] <= 1e-4
+
+
+def test_sigterm_checkpoints_at_the_next_safe_point_and_exits_143(tmp_path):
+    """
+    A preemption: SIGTERM to one worker while step 2 runs (torchrun passes its own SIGTERM on to
+    every worker; one is the harder case). Every rank stops at the next safe point (after the
+    rollout or after the update), the checkpoint holds every logged step and nothing else, the
+    workers exit 143 so torchrun fails the job, nothing is exported, and a rerun goes on from there.
+    """
+    run_dir = tmp_path / "run"
+    overrides = ["algo=ppo", "rollout.engine=hf", "steps=4", "train.warm_start_steps=0", f"run_dir={run_dir}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           os.path.join(ROOT, "train.py"), *QUICK, *overrides]
+    with open(tmp_path / "log", "w") as log:
+        torchrun = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    while "step    1/4" not in open(tmp_path / "log").read():
+        assert torchrun.poll() is None, open(tmp_path / "log").read()[-3000:]
+        time.sleep(0.05)
+    with open(f"/proc/{torchrun.pid}/task/{torchrun.pid}/children") as f:
+        workers = [int(pid) for pid in f.read().split()]
+    os.kill(workers[-1], signal.SIGTERM)
+    sent = time.time()
+    assert torchrun.wait(timeout=120) != 0
+    out = open(tmp_path / "log").read()
+    assert time.time() - sent < 30, out[-3000:]  # torchrun's grace before it kills the workers
+    assert "exitcode  : 143" in out, out[-3000:]
+    stopped = re.search(r"SIGTERM during step (\d+).*: checkpoint of step (\d+)", out)
+    assert stopped and int(stopped.group(1)) >= 2, out[-3000:]
+    saved = int(stopped.group(2))
+    assert os.listdir(run_dir / "checkpoints") == [f"step_{saved:06d}"] and not (run_dir / "hf").exists()
+    assert [m["step"] for m in map(json.loads, open(run_dir / "metrics.jsonl"))] == list(range(1, saved + 1))
+
+    out, metrics = train(run_dir, *overrides)
+    assert f"resumed from {run_dir / 'checkpoints'}/step_{saved:06d} at step {saved}" in out
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4] and (run_dir / "hf").exists()

@@ -40,7 +40,7 @@ from nanoagent.agent import rollout_metrics, run_agent, scripted_trajectories
 from nanoagent.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
 from nanoagent.common import MetricsLog, all_reduce, init_distributed, print0, reduce_metrics, resolve_model, seed_everything
 from nanoagent.config import ConfigError, format_config, make_config, reference, save_config, to_dict
-from nanoagent.data import fit_prompts, step_prompts
+from nanoagent.data import check_prompts, fit_prompts, step_prompts
 from nanoagent.engine import SamplingConfig, make_engine, pad_token_id
 from nanoagent.model import (build_critic, build_policy, build_reference, collate, critic_forward, forward_all, full_tensors, micro_steps,
                              policy_forward, read_weights, training_config)
@@ -68,13 +68,13 @@ def parse_args(argv):
 # the task and the rewards
 
 def task_data(task, cfg, tokenizer):
-    """(train rows, val rows, tool environment): the task's prompts, every one checked against
-    data.max_prompt_tokens (chat template and tool schemas included) when loaded, on every rank,
-    before any collective."""
+    """(train rows, val rows, tool environment): the task's prompts, made on the spot or read from
+    a file, every one checked (well-formed rows, then data.max_prompt_tokens with chat template and
+    tool schemas included) when loaded, on every rank, before any collective."""
     env = ToolEnv(task.tools(cfg), tokenizer, cfg.rollout.max_obs_tokens, cfg.rollout.tool_timeout_s)
     rows = {}
     for split in ("train", "val"):
-        prompts = task.prompts(cfg, split)
+        prompts = check_prompts(task.prompts(cfg, split), cfg.data.bad_prompts, f"{cfg.data.task} {split} prompts")
         lengths = env.prompt_lengths([p["messages"] for p in prompts])
         rows[split] = fit_prompts(prompts, lengths, cfg.data.max_prompt_tokens, cfg.data.bad_prompts, f"{cfg.data.task} {split} prompts")
     return rows["train"], rows["val"], env

@@ -12,6 +12,7 @@ Presets are just lists of overrides, so they go through the same checks.
 import dataclasses
 import difflib
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Literal
@@ -31,7 +32,7 @@ class DataConfig:
     val_path: str = opt("data/hotpotqa/val.parquet", "held-out prompts for evaluation")
     index_dir: str = opt("data/hotpotqa/index", "search index from build_index.py")
     max_prompt_tokens: int = opt(1024, "longest prompt (tokens, chat template and tool schemas included); checked when the data is loaded")
-    bad_prompts: Literal["refuse", "drop"] = opt("refuse", "prompts that cannot be trained on (longer than data.max_prompt_tokens): refuse the file, or drop them and say how many")
+    bad_prompts: Literal["refuse", "drop"] = opt("refuse", "prompts that cannot be trained on (a malformed row, a non-string answer, a duplicate id, longer than data.max_prompt_tokens): refuse the file, or drop them and say how many")
     shuffle: bool = opt(True, "shuffle the training prompts every epoch (seeded)")
     num_train: int = opt(2048, "arithmetic: generated training prompts")
     num_val: int = opt(64, "arithmetic: generated held-out prompts")
@@ -261,34 +262,50 @@ def make_config(preset=None, overrides=()):
 
 
 def validate(cfg):
-    """Checks that span fields or bound values; each names the key at fault."""
+    """
+    Every numeric value in its range and every float finite (a nan or inf anywhere would poison the
+    run where it is used, often many steps later), then the checks across fields; each message
+    names the key, its value and what is valid.
+    """
+    values = _flatten(to_dict(cfg))
+
     def need(ok, msg):
         if not ok:
             raise ConfigError(msg)
-    need(cfg.steps >= 0, f"steps={cfg.steps}: must be >= 0")
+
+    def at_least(low, *keys):
+        for key in keys:
+            need(values[key] >= low, f"{key}={values[key]}: must be >= {low}")
+
+    def above(low, *keys):
+        for key in keys:
+            need(values[key] > low, f"{key}={values[key]}: must be > {low}")
+
+    for key, (typ, _, _) in all_keys().items():
+        need(typ is not float or math.isfinite(values[key]), f"{key}={values[key]}: must be a finite number")
+    at_least(1, "data.max_prompt_tokens", "data.num_train", "data.num_val", "rollout.prompts_per_step", "rollout.group_size",
+             "rollout.max_turns", "rollout.max_new_tokens", "rollout.max_context_tokens", "rollout.max_obs_tokens", "rollout.search_top_k",
+             "rollout.tensor_parallel_size", "ppo.epochs", "ppo.mini_batch_size", "train.micro_batch_tokens", "train.tis_cap",
+             "eval.num_prompts")
+    at_least(0, "steps", "seed", "ppo.clip_low", "ppo.clip_high", "ppo.critic_lr", "ppo.critic_warmup_steps", "grpo.eps", "train.lr",
+             "train.weight_decay", "train.warmup_steps", "train.kl_coef", "train.save_every", "train.warm_start_steps",
+             "train.warm_start_lr", "reward.answer_weight", "reward.format_weight", "eval.every")
+    above(0, "rollout.tool_timeout_s", "ppo.value_clip", "train.grad_clip")
+    above(1, "ppo.clip_dual")
+    # train.entropy_coef and train.tool_call_reward may be negative: an entropy penalty, a cost per tool call
+    for key in ("ppo.gamma", "ppo.lam"):
+        need(0 <= values[key] <= 1, f"{key}={values[key]}: must be in [0, 1]")
+    for key in ("rollout.top_p", "rollout.gpu_memory_utilization"):
+        need(0 < values[key] <= 1, f"{key}={values[key]}: must be in (0, 1]")
+    need(cfg.rollout.temperature > 0, f"rollout.temperature={cfg.rollout.temperature}: must be > 0 (greedy decoding is for evaluation)")
+    need(cfg.seed < 2 ** 31, f"seed={cfg.seed}: must be < 2**31 (numpy takes 32-bit seeds, and each rank adds its rank)")
     need(cfg.data.task in task_names() or cfg.data.task.endswith(".py"),
          f"data.task={cfg.data.task!r}: not a task; valid: {', '.join(task_names())}, or a path to a task file (.py)")
-    need(cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")
-    need(cfg.rollout.group_size >= 1, "rollout.group_size must be >= 1")
+    need(cfg.resume in ("auto", "never"), f"resume={cfg.resume!r}: valid: auto, never")
     need(cfg.algo != "grpo" or cfg.rollout.group_size >= 2,
          f"algo=grpo needs rollout.group_size >= 2 (got {cfg.rollout.group_size}): a group of one has no baseline")
-    need(cfg.rollout.temperature > 0, "rollout.temperature must be > 0 (greedy decoding is for evaluation)")
-    need(0 < cfg.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]")
-    need(cfg.rollout.max_turns >= 1, "rollout.max_turns must be >= 1")
-    need(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
     need(cfg.rollout.max_context_tokens > cfg.data.max_prompt_tokens,
          f"rollout.max_context_tokens ({cfg.rollout.max_context_tokens}) must exceed data.max_prompt_tokens ({cfg.data.max_prompt_tokens})")
-    need(0 < cfg.rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization must be in (0, 1]")
-    need(cfg.ppo.epochs >= 1, "ppo.epochs must be >= 1")
-    need(cfg.ppo.mini_batch_size >= 1, "ppo.mini_batch_size must be >= 1")
-    need(0 <= cfg.ppo.gamma <= 1 and 0 <= cfg.ppo.lam <= 1, "ppo.gamma and ppo.lam must be in [0, 1]")
-    need(cfg.ppo.clip_low >= 0 and cfg.ppo.clip_high >= 0, "ppo.clip_low and ppo.clip_high must be >= 0")
-    need(cfg.ppo.clip_dual > 1, "ppo.clip_dual must be > 1")
-    need(cfg.train.lr >= 0 and cfg.ppo.critic_lr >= 0, "train.lr and ppo.critic_lr must be >= 0")
-    need(cfg.train.micro_batch_tokens >= 1, "train.micro_batch_tokens must be >= 1")
-    need(cfg.train.grad_clip > 0, "train.grad_clip must be > 0")
-    need(cfg.train.tis_cap >= 1, "train.tis_cap must be >= 1")
-    need(cfg.resume in ("auto", "never"), f"resume={cfg.resume!r}: valid: auto, never")
     need(not (cfg.algo == "grpo" and cfg.train.kl_mode == "reward"),
          "algo=grpo with train.kl_mode=reward: GRPO divides each group's scores by their std, so in a group whose outcome "
          "rewards are all equal the KL penalty's noise alone would become advantages of order 1; use train.kl_mode=loss "

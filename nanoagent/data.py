@@ -2,7 +2,9 @@
 Prompts: the files they live in, the check that a run can train on them, and the order a run
 takes them in. One row per task instance: `id`, `messages` (the chat prompt, a list of
 {role, content}; stored as JSON text in parquet) and `answers` (gold answers, may be empty).
-Both parquet (what prepare_data.py writes) and JSONL are read.
+Both parquet (what prepare_data.py writes) and JSONL are read. A row that cannot be trained on
+(check_prompts) is found when the file is loaded, not when its step comes: the data order is a
+function of the step, so a row that crashed a step mid-run would crash every resume there again.
 """
 
 import json
@@ -14,28 +16,91 @@ import pyarrow.parquet as pq
 
 from nanoagent.common import print0
 
-REQUIRED = ("id", "messages")
+ROLES = ("system", "user", "assistant", "tool")
 
 
-def load_prompts(path, limit=0):
-    """Rows as dicts with messages decoded; a missing file or column is refused with the path."""
+def load_prompts(path, limit=0, bad_prompts="refuse"):
+    """
+    The rows of a prompt file, messages decoded and every row checked (check_prompts; bad_prompts
+    says whether bad rows refuse the file or are dropped). A missing or empty file is refused with
+    its path: an empty split would otherwise fail only later, mid-run.
+    """
     if not os.path.exists(path):
         raise FileNotFoundError(f"prompt file {path!r} does not exist (write it with prepare_data.py)")
     if path.endswith(".parquet"):
         rows = pq.read_table(path).to_pylist()
     elif path.endswith(".jsonl"):
         with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+            rows = [_json_or_text(line) for line in f if line.strip()]
     else:
         raise ValueError(f"prompt file {path!r}: expected .parquet or .jsonl")
-    for i, row in enumerate(rows):
-        missing = [c for c in REQUIRED if c not in row]
-        if missing:
-            raise ValueError(f"{path}: row {i} lacks column(s) {', '.join(missing)}; each row needs {', '.join(REQUIRED)}")
-        if isinstance(row["messages"], str):
-            row["messages"] = json.loads(row["messages"])
-        row["answers"] = list(row.get("answers") or [])
+    if not rows:
+        raise ValueError(f"prompt file {path!r} has no rows; write it again with prepare_data.py")
+    for row in rows:
+        if isinstance(row, dict) and isinstance(row.get("messages"), str):
+            row["messages"] = _json_or_text(row["messages"])
+    rows = check_prompts(rows, bad_prompts, path)
     return rows[:limit] if limit else rows
+
+
+def _json_or_text(text):
+    """Decoded JSON, or the text itself when it is not JSON (check_prompts then names the row)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def row_problem(row, seen_ids):
+    """Why a row cannot be trained on, or None. Wraps a bare-string answer into a list and reads
+    missing or null answers as none (tasks may score without them); any other answer that is
+    not a string is refused, not converted: `42` or `null` among the gold answers is a mistake
+    in the file, and a string-only scorer would crash on it mid-run."""
+    if not isinstance(row, dict):
+        return "not a JSON object"
+    row_id = row.get("id")
+    if row_id is None or row_id == "" or not isinstance(row_id, (str, int)) or isinstance(row_id, bool):
+        return f"id must be a non-empty string or an integer, got {row_id!r}"
+    if row_id in seen_ids:
+        return "duplicate id"  # a file concatenated twice, say: those rows would weigh double
+    messages = row.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return f"messages must be a non-empty list of {{role, content}}, got {messages!r:.40}"
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            return f"every message needs a role ({', '.join(ROLES)}) and a string content, got {m!r:.60}"
+    answers = row.get("answers")
+    if answers is None or isinstance(answers, str):
+        row["answers"] = [] if answers is None else [answers]
+    elif not isinstance(answers, list) or not all(isinstance(a, str) for a in answers):
+        return f"answers must be a list of strings, got {answers!r:.40}"
+    seen_ids.add(row_id)
+    return None
+
+
+def check_prompts(rows, bad_prompts, source):
+    """
+    The rows a run can train on (row_problem): bad ones are refused with their count and the first
+    ids (bad_prompts="refuse"), or dropped and counted ("drop"). load_prompts checks every file it
+    reads, and train.py every task's prompts (files or made on the spot) on every rank, before any
+    collective. 100k rows: under a second.
+    """
+    seen, bad, kept = set(), [], []
+    for i, row in enumerate(rows):
+        problem = row_problem(row, seen)
+        if problem is None:
+            kept.append(row)
+        else:
+            name = row.get("id") if isinstance(row, dict) and row.get("id") not in (None, "") else f"row {i}"
+            bad.append(f"{name} ({problem})")
+    if bad and bad_prompts == "refuse":
+        raise ValueError(f"{source}: {len(bad)} of {len(rows)} prompts cannot be trained on (first: {'; '.join(bad[:3])}); "
+                         f"fix them or set data.bad_prompts=drop")
+    if bad:
+        print0(f"{source}: dropped {len(bad)} of {len(rows)} prompts that cannot be trained on (first: {'; '.join(bad[:3])})")
+    if not kept:
+        raise ValueError(f"{source}: no prompts to train on")
+    return kept
 
 
 def fit_prompts(rows, lengths, max_tokens, bad_prompts, source):
@@ -61,7 +126,12 @@ def fit_prompts(rows, lengths, max_tokens, bad_prompts, source):
 
 def write_prompts(out, splits):
     """{split: rows} -> OUT/<split>.parquet (messages as JSON text), which load_prompts reads back.
-    The same rows give the same bytes."""
+    The same rows give the same bytes. Every split is checked before anything is written, so
+    prepare_data.py fails instead of writing a file (an empty one included) that training refuses."""
+    for split, rows in splits.items():
+        if not rows:
+            raise ValueError(f"the {split} split has no prompts; nothing written to {out} (check the sizes asked for and the source)")
+        check_prompts(rows, "refuse", f"the {split} split")
     for split, rows in splits.items():
         path = os.path.join(out, f"{split}.parquet")
         pq.write_table(pa.Table.from_pylist([{**r, "messages": json.dumps(r["messages"])} for r in rows]), path)

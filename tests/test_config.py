@@ -1,12 +1,13 @@
 """Config: presets, dotted overrides, refusals that name the key, round trip through config.json."""
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
-from nanoagent.config import PRESETS, Config, ConfigError, from_dict, make_config, save_config, to_dict
+from nanoagent.config import PRESETS, Config, ConfigError, all_keys, from_dict, make_config, save_config, to_dict
 
 
 def test_defaults_presets_and_overrides():
@@ -38,6 +39,36 @@ def test_defaults_presets_and_overrides():
 def test_bad_overrides_are_refused_with_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         make_config("tiny", [override])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.tool_timeout_s=-5", r"rollout.tool_timeout_s=-5.0: must be > 0"),
+    ("rollout.tool_timeout_s=nan", r"rollout.tool_timeout_s=nan: must be a finite number"),
+    ("rollout.max_obs_tokens=0", r"rollout.max_obs_tokens=0: must be >= 1"),
+    ("train.lr=inf", r"train.lr=inf: must be a finite number"),
+    ("train.kl_coef=nan", r"train.kl_coef=nan: must be a finite number"),
+    ("rollout.tensor_parallel_size=0", r"rollout.tensor_parallel_size=0: must be >= 1"),
+    ("rollout.top_p=1.5", r"rollout.top_p=1.5: must be in \(0, 1\]"),
+    ("ppo.gamma=1.01", r"ppo.gamma=1.01: must be in \[0, 1\]"),
+    ("seed=4294967296", r"seed=4294967296: must be < 2\*\*31"),
+])
+def test_out_of_range_values_are_refused_with_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        make_config("tiny", [override])
+
+
+def test_every_number_has_a_range_and_every_float_is_finite():
+    """A numeric key added later gets a range too: -1 is refused for every one of them but the two
+    whose negative values mean something, and nan/inf for every float."""
+    signed = {"train.entropy_coef", "train.tool_call_reward"}  # an entropy penalty, a cost per tool call
+    for key, (typ, _, _) in all_keys().items():
+        if typ in (int, float) and key not in signed:
+            with pytest.raises(ConfigError, match=re.escape(f"{key}=-1")):
+                make_config("tiny", [f"{key}=-1"])
+        for bad in ("nan", "inf", "-inf") if typ is float else ():
+            with pytest.raises(ConfigError, match=re.escape(f"{key}={bad}: must be a finite number")):
+                make_config("tiny", [f"{key}={bad}"])
+    make_config("tiny", ["train.entropy_coef=-0.01", "train.tool_call_reward=-0.1"])
 
 
 def test_unknown_preset_lists_the_valid_ones():

@@ -1,4 +1,5 @@
-"""prepare_data.py and the tasks' prompts: HotpotQA from files in its original JSON format, the synthetic world."""
+"""prepare_data.py and the tasks' prompts: HotpotQA from files in its original JSON format, the synthetic world, and the
+check every prompt file gets when it is loaded."""
 
 import json
 import os
@@ -6,9 +7,14 @@ import random
 import subprocess
 import sys
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from nanoagent.data import load_prompts
+import prepare_data
+from nanoagent.config import make_config
+from nanoagent.data import load_prompts, row_problem, write_prompts
+from nanoagent.tasks import hotpotqa
 from nanoagent.tasks.hotpotqa import SYSTEM_PROMPT, hotpotqa_row, load_hotpotqa
 from nanoagent.tasks.synthetic import demonstration, make_split, make_world, passages, questions
 from nanoagent.tools import parse_tool_calls
@@ -157,3 +163,56 @@ def test_prepare_refuses_what_a_task_cannot_do(tmp_path):
     assert proc.returncode != 0 and "unknown task 'nosuch'; tasks: arithmetic, hotpotqa, synthetic" in proc.stderr
     proc = prepare("--task=synthetic", f"--out={tmp_path / 'c'}", f"--source={tmp_path}")
     assert proc.returncode != 0 and "takes no source" in proc.stderr
+
+
+MESSAGES = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+
+
+def test_bad_rows_are_refused_or_dropped_when_the_file_is_loaded(tmp_path, capsys):
+    """Every kind of row a run cannot train on is found at load, not at the step that reaches it."""
+    good = [{"id": "ok1", "messages": MESSAGES, "answers": ["a"]}, {"id": "ok2", "messages": MESSAGES, "answers": "Paris"},
+            {"id": 7, "messages": MESSAGES}]
+    bad = [{"id": "n42", "messages": MESSAGES, "answers": [42]}, {"id": "nnull", "messages": MESSAGES, "answers": [None]},
+           {"id": "bare42", "messages": MESSAGES, "answers": 42}, {"id": "nomsg", "answers": []},
+           {"id": "emptymsg", "messages": [], "answers": []}, {"id": "role", "messages": [{"role": "bot", "content": "q"}]},
+           {"id": "content", "messages": [{"role": "user", "content": None}]}, {"messages": MESSAGES},
+           {"id": "ok1", "messages": MESSAGES}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in good + bad) + '{"id": "cut", "messa\n')
+    with pytest.raises(ValueError, match=r"p.jsonl: 10 of 13 prompts cannot be trained on \(first: n42 \(answers must be a list of strings, "
+                                         r"got \[42\]\); nnull .*; bare42 \(answers must be a list of strings, got 42\)\); .*data.bad_prompts=drop"):
+        load_prompts(str(path))
+    kept = load_prompts(str(path), bad_prompts="drop")
+    assert [r["id"] for r in kept] == ["ok1", "ok2", 7] and [r["answers"] for r in kept] == [["a"], ["Paris"], []]
+    assert "dropped 10 of 13 prompts that cannot be trained on" in capsys.readouterr().out
+    reasons = [row_problem(r, {"ok1"}) for r in bad[3:] + ["not a row"]]
+    assert [r.split(",")[0].split(" (")[0] for r in reasons] == [
+        "messages must be a non-empty list of {role", "messages must be a non-empty list of {role", "every message needs a role",
+        "every message needs a role", "id must be a non-empty string or an integer", "duplicate id", "not a JSON object"]
+    parquet = tmp_path / "p.parquet"  # a parquet column of numbers, as a script that wrote answers as ints would leave
+    pq.write_table(pa.Table.from_pylist([{"id": "i", "messages": json.dumps(MESSAGES), "answers": [3]}]), parquet)
+    with pytest.raises(ValueError, match=r"p.parquet: 1 of 1 prompts cannot be trained on \(first: i \(answers must be a list of strings"):
+        load_prompts(str(parquet))
+    with pytest.raises(ValueError, match="p.parquet: no prompts to train on"):
+        load_prompts(str(parquet), bad_prompts="drop")
+
+
+def test_empty_prompt_files_are_refused_with_their_path(tmp_path):
+    """An empty train or val file stops the run when it is loaded, naming the file, instead of
+    failing later (a division by zero at step 1, an IndexError at evaluation or export)."""
+    pq.write_table(pa.Table.from_pylist([]), tmp_path / "val.parquet")  # what prepare_data.py used to write for an empty split
+    (tmp_path / "train.jsonl").write_text("\n")
+    cfg = make_config("tiny", ["data.task=hotpotqa", f"data.train_path={tmp_path / 'train.jsonl'}", f"data.val_path={tmp_path / 'val.parquet'}"])
+    with pytest.raises(ValueError, match="train.jsonl' has no rows; write it again with prepare_data.py"):
+        hotpotqa.prompts(cfg, "train")
+    with pytest.raises(ValueError, match="val.parquet' has no rows"):
+        hotpotqa.prompts(cfg, "val")
+
+
+def test_prepare_refuses_an_empty_split(hotpot_dir, tmp_path):
+    (hotpot_dir / "hotpot_dev_distractor_v1.json").write_text("[]")
+    with pytest.raises(SystemExit, match="the val split has no prompts; nothing written to"):
+        prepare_data.main(["--task=hotpotqa", f"--source={hotpot_dir}", f"--out={tmp_path / 'out'}"])
+    assert os.listdir(tmp_path / "out") == []  # no train file either: a split is checked before anything is written
+    with pytest.raises(ValueError, match=r"the train split: 1 of 1 prompts cannot be trained on \(first: q \(answers must be a list of strings"):
+        write_prompts(str(tmp_path), {"train": [{"id": "q", "messages": MESSAGES, "answers": [1.5]}]})

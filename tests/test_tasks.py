@@ -90,3 +90,20 @@ def test_a_task_in_a_file_of_its_own_trains(tmp_path):
     assert "looked_up" in step and "eval/looked_up" in metrics[0]  # the task's own scores
     assert step["tool_calls"] > 0 and step["looked_up"] > 0  # its own tool, called as its demonstrations showed
     assert "exported" in proc.stdout
+
+
+def test_every_tasks_prompts_get_the_load_check(tmp_path):
+    """Prompts made on the spot go through the check prompt files get (nanoagent/data.py:
+    check_prompts): train.py refuses a task's bad row when the data is loaded, before the
+    tokenizer or any collective sees it, and the built-in tasks' rows pass it as they are."""
+    import train
+    from nanoagent.data import check_prompts
+    from nanoagent.tasks import arithmetic
+    from nanoagent.tasks.synthetic import make_split
+    cfg = make_config("tiny")
+    rows = arithmetic.prompts(cfg, "train") + make_split(seed=0, val_size=5, people=10, companies=3, cities=4, countries=2)[0]
+    assert check_prompts(rows, "refuse", "built-in") == rows
+    (tmp_path / "lookup.py").write_text(LOOKUP_TASK.replace('"answers": [PRICES[sku]]', '"answers": [int(PRICES[sku])]'))
+    with pytest.raises(ValueError, match=r"lookup.py train prompts: 12 of 12 prompts cannot be trained on \(first: train-0 \(answers must "
+                                         r"be a list of strings, got \[3\]\); train-1 .*data.bad_prompts=drop"):
+        train.task_data(load_task(str(tmp_path / "lookup.py")), make_config("tiny", [f"data.task={tmp_path / 'lookup.py'}"]), tokenizer=None)

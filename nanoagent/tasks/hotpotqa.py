@@ -103,7 +103,7 @@ def tools(cfg):
 
 
 def prompts(cfg, split):
-    return load_prompts(cfg.data.train_path if split == "train" else cfg.data.val_path)
+    return load_prompts(cfg.data.train_path if split == "train" else cfg.data.val_path, bad_prompts=cfg.data.bad_prompts)
 
 
 def score(traj, cfg):

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 from nanoagent.agent import rollout_metrics, run_agent
 from nanoagent.common import resolve_model
 from nanoagent.config import ConfigError, make_config, reference
-from nanoagent.data import load_prompts
+from nanoagent.data import check_prompts, load_prompts
 from nanoagent.engine import SamplingConfig, make_engine
 from nanoagent.tasks import load_task
 from nanoagent.tools import ToolEnv, make_tools
@@ -54,7 +54,10 @@ def parse_args(argv):
 def main(argv=None):
     args, cfg = parse_args(sys.argv[1:] if argv is None else argv)
     task = load_task(cfg.data.task)
-    samples = load_prompts(args.data, args.limit) if args.data else task.prompts(cfg, "val")[:args.limit or None]
+    if args.data:
+        samples = load_prompts(args.data, args.limit, cfg.data.bad_prompts)
+    else:
+        samples = check_prompts(task.prompts(cfg, "val"), cfg.data.bad_prompts, f"{cfg.data.task} val prompts")[:args.limit or None]
     model_path = resolve_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.chat_template is None:

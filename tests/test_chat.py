@@ -138,12 +138,13 @@ def exit_status(pid, last_words, timeout=60):
         if done:
             return os.waitstatus_to_exitcode(status)
         time.sleep(0.1)
+    signals = [line for line in open(f"/proc/{pid}/status") if line.startswith(("SigPnd", "ShdPnd", "SigBlk", "SigIgn"))]
     threads = [open(f"/proc/{pid}/task/{t}/wchan").read() for t in sorted(os.listdir(f"/proc/{pid}/task"))]
     stack = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 12"], capture_output=True, text=True).stdout \
         if shutil.which("gdb") else ""
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-    raise AssertionError(f"chat.py did not exit within {timeout}s; last printed {last_words[-1500:]!r}; threads wait in {threads}\n{stack[-6000:]}")
+    raise AssertionError(f"chat.py did not exit within {timeout}s; last printed {last_words[-1500:]!r}; threads wait in {threads}; {signals}\n{stack[-6000:]}")
 
 
 @pytest.mark.slow

@@ -91,7 +91,7 @@ def corpus_fingerprint(corpus):
     if not corpus_is_file(corpus):
         from datasets import load_dataset
         dataset = load_dataset(corpus, "corpus", split="corpus")
-        return {"rows": len(dataset), "fingerprint": dataset._fingerprint}
+        return {"rows": len(dataset), "fingerprint": dataset._fingerprint}  # a hash of the cached revision's files
     size = os.path.getsize(corpus)
     with open(corpus, "rb") as f:
         head = f.read(EDGE)
@@ -146,6 +146,7 @@ def copy_corpus(args, settings):
         if not changed:
             return
         if changed == ["mtime_ns"] and file_sha256(args.corpus) == recorded.get("sha256"):
+            # the same bytes, written again or copied: remember the new mtime, so the next run need not hash it
             write_json({**built, "source": {**recorded, **source}}, build_path)
             return
         why = f"{', '.join(changed)} differ" if recorded else f"{BUILD} does not record it"

@@ -1,7 +1,9 @@
 """
 build_index.py and the on-disk retriever: the CLI contract on the synthetic corpus with the packaged
 MiniLM encoder, retrieval recall, the document store, BeIR's corpus format, resuming, IVF/HNSW,
-torchrun sharding, and the refusal of an encoder the index was not built with.
+torchrun sharding, the refusal of an encoder the index was not built with, and the faults of a
+rerun: a changed corpus (built again), a bad row (refused by file:line before anything is written),
+a build killed before its commit (the old index and meta.json stay a pair).
 """
 
 import json
@@ -293,3 +295,14 @@ def test_a_build_killed_before_its_commit_leaves_the_old_index(world, tmp_path, 
     os.remove(out / retriever.meta["index_file"])
     with pytest.raises(FileNotFoundError, match=f"{META} of {out} names .*faiss, which is missing"):
         IndexRetriever(str(out), encoder)
+
+
+def test_a_hub_corpus_is_checked_and_fingerprinted(monkeypatch):
+    """A hub dataset's rows are checked like a file's (named by row number); its fingerprint is the datasets library's."""
+    import datasets
+    dataset = datasets.Dataset.from_list([{"_id": "7", "title": "Albedo", "text": "Albedo is reflected light."},
+                                          {"_id": "8", "title": "Basalt", "text": None}])
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config, split: dataset)
+    with pytest.raises(ValueError, match="Org/corpus row 1: 'text' must be a string, not NoneType"):
+        load_corpus("Org/corpus")
+    assert build_index.corpus_fingerprint("Org/corpus") == {"rows": 2, "fingerprint": dataset._fingerprint}

@@ -118,7 +118,7 @@ def write_json(obj, path):
 
 def index_files(out):
     """The FAISS index files in a build folder: the current one, an old one, or one a killed run left."""
-    return [name for name in os.listdir(out) if name.startswith("index.")]
+    return [name for name in os.listdir(out) if name.startswith("index.") and name.endswith((".faiss", ".faiss.tmp"))]
 
 
 def copy_corpus(args, settings):
@@ -167,7 +167,10 @@ def copy_corpus(args, settings):
     for name in [META, BUILD] + index_files(args.out):
         if os.path.exists(os.path.join(args.out, name)):
             os.remove(os.path.join(args.out, name))
-    shutil.rmtree(os.path.join(args.out, EMBEDDINGS), ignore_errors=True)
+    embeddings = os.path.join(args.out, EMBEDDINGS)
+    for name in os.listdir(embeddings) if os.path.isdir(embeddings) else []:
+        if name[:6].isdigit() and name.endswith(".npy"):  # a shard, or one a killed run was writing
+            os.remove(os.path.join(embeddings, name))
     for name in (DOCS, OFFSETS):
         os.replace(os.path.join(staging, name), os.path.join(args.out, name))
     os.rmdir(staging)

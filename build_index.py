@@ -9,22 +9,33 @@ tool queries (the folder layout is described in nanoagent/retriever.py).
 --corpus: a local JSONL of {"id", "title", "text"} (BeIR's {"_id", ...} too), or a hub dataset in
 BeIR's layout through the datasets library. Steps:
   1. rank 0 copies the corpus into the index folder as docs.jsonl + a byte-offset table, the
-     document store the search tool reads passages from without loading the corpus;
+     document store the search tool reads passages from without loading the corpus, checking every
+     row first (a bad one is named by file:line and leaves the folder as it was). build.json records
+     the settings and what the corpus was (size, mtime, a hash of its first and last 64 KiB and one
+     of the whole file): a rerun on the same corpus resumes; after the corpus changed the build
+     starts again from scratch and says so (its embeddings are of passages the corpus no longer
+     has, and without this a rerun would index the old copy); other options must match;
   2. every rank embeds its share of the shards (shard i goes to rank i % world), batched, fp16 on a
      GPU, one .npy per shard written atomically; shards already on disk are skipped, so a build that
      was interrupted resumes where it stopped (with the same options: they are checked);
   3. rank 0 adds the shards to a FAISS inner-product index (flat: exact, the default; ivf or hnsw:
-     approximate, for big corpora; IVF is trained on a GPU when FAISS has one) and writes meta.json.
+     approximate, for big corpora; IVF is trained on a GPU when FAISS has one), writes it under a
+     new name and then meta.json, which names it: replacing meta.json swaps the pair at once, so a
+     kill at any moment leaves the old index or the new one, and the search tool never reads a mix.
 The embeddings/ folder is kept after the build (it lets another index type be built without
 re-embedding); delete it to save disk.
 """
 
 import argparse
 import datetime
+import hashlib
 import json
 import math
 import os
+import shutil
 import sys
+
+EDGE = 1 << 16  # bytes hashed at each end of a corpus file: its first and last lines, and then some
 
 
 def parse_args(argv):
@@ -46,12 +57,12 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def build_settings(args, encoder, count):
-    """What the embeddings depend on: a resumed build must match it."""
+def build_settings(args, encoder):
+    """What the embeddings depend on, besides the corpus: a resumed build must match it."""
     from nanoagent.retriever import PROBE, encode
     probe = encode(encoder, [args.query_prefix + PROBE])[0]
     return {"encoder": args.encoder, "dim": len(probe), "query_prefix": args.query_prefix, "passage_prefix": args.passage_prefix,
-            "normalize": args.normalize, "corpus": args.corpus, "count": count, "shard_size": args.shard_size,
+            "normalize": args.normalize, "corpus": args.corpus, "shard_size": args.shard_size,
             "probe": [round(float(x), 6) for x in probe]}
 
 
@@ -70,17 +81,107 @@ def check_resume(old, new, out):
                          f"differently from {new['encoder']!r}; use another --out (or delete that folder)")
 
 
+def corpus_fingerprint(corpus):
+    """
+    What the corpus is now, cheap enough to take on every run: a local file's size, mtime and a hash
+    of its first and last 64 KiB; a hub dataset's row count and the datasets library's fingerprint
+    of the revision in its cache.
+    """
+    from nanoagent.retriever import corpus_is_file
+    if not corpus_is_file(corpus):
+        from datasets import load_dataset
+        dataset = load_dataset(corpus, "corpus", split="corpus")
+        return {"rows": len(dataset), "fingerprint": dataset._fingerprint}  # a hash of the cached revision's files
+    size = os.path.getsize(corpus)
+    with open(corpus, "rb") as f:
+        head = f.read(EDGE)
+        f.seek(max(0, size - EDGE))
+        tail = f.read(EDGE)
+    return {"bytes": size, "mtime_ns": os.stat(corpus).st_mtime_ns, "head_sha256": hashlib.sha256(head).hexdigest(),
+            "tail_sha256": hashlib.sha256(tail).hexdigest()}
+
+
+def file_sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def write_json(obj, path):
+    from nanoagent.retriever import replace_durably
     with open(path + ".tmp", "w") as f:
         json.dump(obj, f, indent=1)
-    os.replace(path + ".tmp", path)
+    replace_durably(path + ".tmp", path)
+
+
+def index_files(out):
+    """The FAISS index files in a build folder: the current one, an old one, or one a killed run left."""
+    return [name for name in os.listdir(out) if name.startswith("index.") and name.endswith((".faiss", ".faiss.tmp"))]
+
+
+def copy_corpus(args, settings):
+    """
+    Rank 0: make the document store in --out a checked copy of the corpus as it is now, with a
+    build.json that records it. A build of this very corpus is left to resume; a build of another
+    corpus path or with other options is refused (a mistyped --out is not wiped); a build of a
+    corpus that changed since starts again from scratch. Only the mtime differing (a file written
+    again with the same bytes, or copied) is settled by a hash of the whole file.
+    The copy goes into a staging folder first, so a bad row leaves --out as it was. Then meta.json
+    goes first (the old index stops being served: a reader is told the build did not finish), then
+    build.json, the embeddings and the index files, and the new store and build.json take their
+    place: a run killed anywhere in between leaves no build.json, and the next run starts over.
+    """
+    from tqdm import tqdm
+    from nanoagent.retriever import BUILD, DOCS, EMBEDDINGS, META, OFFSETS, iter_corpus, write_docstore
+    source = corpus_fingerprint(args.corpus)
+    build_path = os.path.join(args.out, BUILD)
+    if os.path.exists(build_path):
+        with open(build_path) as f:
+            built = json.load(f)
+        check_resume(built, settings, args.out)
+        recorded = built.get("source", {})
+        changed = [key for key in source if recorded.get(key) != source[key]]
+        if not changed:
+            return
+        if changed == ["mtime_ns"] and file_sha256(args.corpus) == recorded.get("sha256"):
+            # the same bytes, written again or copied: remember the new mtime, so the next run need not hash it
+            write_json({**built, "source": {**recorded, **source}}, build_path)
+            return
+        why = f"{', '.join(changed)} differ" if recorded else f"{BUILD} does not record it"
+        print(f"build_index.py: {args.corpus} is not the corpus {args.out} was built from ({why}): the document store "
+              "and the embeddings are built again from scratch", flush=True)
+    if "bytes" in source:  # a local file
+        source["sha256"] = file_sha256(args.corpus)
+    staging = os.path.join(args.out, "docstore.tmp")
+    shutil.rmtree(staging, ignore_errors=True)  # left by a run killed while copying
+    try:
+        with tqdm(unit="passage", desc="copy corpus") as bar:
+            count = write_docstore(iter_corpus(args.corpus), staging, bar)
+        if count == 0:
+            raise ValueError(f"the corpus {args.corpus} has no passages")
+    except ValueError as e:
+        shutil.rmtree(staging)
+        raise SystemExit(f"build_index.py: {e}. {args.out} is left as it was") from None
+    for name in [META, BUILD] + index_files(args.out):
+        if os.path.exists(os.path.join(args.out, name)):
+            os.remove(os.path.join(args.out, name))
+    embeddings = os.path.join(args.out, EMBEDDINGS)
+    for name in os.listdir(embeddings) if os.path.isdir(embeddings) else []:
+        if name[:6].isdigit() and name.endswith(".npy"):  # a shard, or one a killed run was writing
+            os.remove(os.path.join(embeddings, name))
+    for name in (DOCS, OFFSETS):
+        os.replace(os.path.join(staging, name), os.path.join(args.out, name))
+    os.rmdir(staging)
+    write_json({**settings, "count": count, "source": source}, build_path)
 
 
 def embed_shards(docs, encoder, settings, out, batch_size, rank, world):
     """Embed this rank's shards that are not on disk yet; returns how many it embedded."""
     import numpy as np
     from tqdm import tqdm
-    from nanoagent.retriever import EMBEDDINGS, encode
+    from nanoagent.retriever import EMBEDDINGS, encode, replace_durably
     n, size = settings["count"], settings["shard_size"]
     shards = range(math.ceil(n / size))
     todo = [s for s in shards[rank::world] if not os.path.exists(os.path.join(out, EMBEDDINGS, f"{s:06d}.npy"))]
@@ -99,15 +200,15 @@ def embed_shards(docs, encoder, settings, out, batch_size, rank, world):
                 bar.update(len(texts))
             path = os.path.join(out, EMBEDDINGS, f"{s:06d}.npy")
             np.save(path + ".tmp.npy", np.concatenate(parts))
-            os.replace(path + ".tmp.npy", path)
+            replace_durably(path + ".tmp.npy", path)
     return len(todo)
 
 
 def assemble(out, settings, args):
-    """Add every shard's embeddings to a FAISS index and write it, then meta.json (rank 0)."""
+    """Add every shard's embeddings to a FAISS index and write it, then meta.json, which names it (rank 0)."""
     import faiss
     import numpy as np
-    from nanoagent.retriever import EMBEDDINGS, INDEX, META
+    from nanoagent.retriever import EMBEDDINGS, META, replace_durably
     n, size, dim = settings["count"], settings["shard_size"], settings["dim"]
     shards = [np.load(os.path.join(out, EMBEDDINGS, f"{s:06d}.npy"), mmap_mode="r") for s in range(math.ceil(n / size))]
     for s, emb in enumerate(shards):
@@ -132,9 +233,13 @@ def assemble(out, settings, args):
         index.add(np.ascontiguousarray(emb))
     if args.index_type == "ivf" and faiss.get_num_gpus() > 0:
         index = faiss.index_gpu_to_cpu(index)
-    faiss.write_index(index, os.path.join(out, INDEX + ".tmp"))
-    os.replace(os.path.join(out, INDEX + ".tmp"), os.path.join(out, INDEX))
-    write_json({**settings, **params}, os.path.join(out, META))
+    name = f"index.{os.urandom(4).hex()}.faiss"  # a new name: the old pair stays whole until meta.json is replaced
+    faiss.write_index(index, os.path.join(out, name + ".tmp"))
+    replace_durably(os.path.join(out, name + ".tmp"), os.path.join(out, name))
+    write_json({**settings, **params, "index_file": name}, os.path.join(out, META))
+    for old in index_files(out):
+        if old != name:
+            os.remove(os.path.join(out, old))
     return params
 
 
@@ -142,8 +247,7 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import torch
     import torch.distributed as dist
-    from tqdm import tqdm
-    from nanoagent.retriever import BUILD, EMBEDDINGS, DocStore, iter_corpus, load_encoder, write_docstore
+    from nanoagent.retriever import BUILD, EMBEDDINGS, DocStore, load_encoder
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:  # barriers only; embedding a big corpus takes hours, hence the long timeout
@@ -151,20 +255,16 @@ def main(argv=None):
     barrier = dist.barrier if world > 1 else (lambda: None)
     device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
     encoder = load_encoder(args.encoder, device)
-    os.makedirs(os.path.join(args.out, EMBEDDINGS), exist_ok=True)
 
     # 1. the document store, and the settings this build (or the one it resumes) uses
-    build_path = os.path.join(args.out, BUILD)
-    if rank == 0 and not os.path.exists(build_path):
-        with tqdm(unit="passage", desc="copy corpus") as bar:
-            count = write_docstore(iter_corpus(args.corpus), args.out, bar)
-        if count == 0:
-            raise SystemExit(f"build_index.py: the corpus {args.corpus} has no passages")
-        write_json(build_settings(args, encoder, count), build_path)
+    if rank == 0:
+        copy_corpus(args, build_settings(args, encoder))
     barrier()
-    with open(build_path) as f:
+    with open(os.path.join(args.out, BUILD)) as f:
         settings = json.load(f)
-    check_resume(settings, build_settings(args, encoder, settings["count"]), args.out)
+    if rank != 0:
+        check_resume(settings, build_settings(args, encoder), args.out)
+    os.makedirs(os.path.join(args.out, EMBEDDINGS), exist_ok=True)
 
     # 2. embeddings, shard by shard, each rank its share
     embedded = embed_shards(DocStore(args.out), encoder, settings, args.out, args.batch_size, rank, world)

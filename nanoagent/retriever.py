@@ -3,13 +3,16 @@ Dense passage retrieval for the `search` tool: a sentence-transformers encoder, 
 document store, all on disk in one index folder that build_index.py writes:
 
     meta.json      encoder (name/path, dim, a probe embedding), query/passage prefixes, normalisation,
-                   passage count, index type and search parameters; written last, so its presence
-                   means the build finished
-    index.faiss    inner-product index over the passage embeddings (flat, IVF or HNSW)
+                   passage count, index type and search parameters, what the corpus was, and the
+                   name of its index file; written last, so its presence means the build finished
+    index.<token>.faiss  inner-product index over the passage embeddings (flat, IVF or HNSW), under a
+                   new name at every build: meta.json names its own, so replacing meta.json swaps
+                   the pair at once, and a reader sees the old pair or the new one, never a mix
     docs.jsonl     the passages, {"id", "title", "text"} one per line, in index order
     offsets.npy    int64 byte offset of each line of docs.jsonl (+ the end), read as a memmap, so
                    passage i is one positional read: the corpus never has to fit in memory
-    build.json     the build's settings, checked when an interrupted build is resumed
+    build.json     the build's settings and a fingerprint of the corpus the store was copied from,
+                   checked when the build is run again (resumed, or started over if the corpus changed)
     embeddings/    one .npy of float32 embeddings per shard of passages (what makes a build resumable)
 
 The index records its encoder, and IndexRetriever refuses an encoder that embeds differently
@@ -26,9 +29,10 @@ import os
 
 import numpy as np
 
-META, INDEX, DOCS, OFFSETS, BUILD, EMBEDDINGS = "meta.json", "index.faiss", "docs.jsonl", "offsets.npy", "build.json", "embeddings"
+META, DOCS, OFFSETS, BUILD, EMBEDDINGS = "meta.json", "docs.jsonl", "offsets.npy", "build.json", "embeddings"
 PROBE = "nanoagent encoder check: the river city was founded by an engineer in 1802."
 PROBE_MIN_COSINE = 0.99  # the same model in fp16 vs fp32 or on another device agrees to ~0.9999
+CORPUS_FORMAT = 'a corpus is JSONL of {"id": a string or an integer, "title": a string, "text": a string}'
 
 
 def packaged_minilm_path():
@@ -67,9 +71,12 @@ def iter_corpus(source):
     """
     Passages {"id", "title", "text"} from a local JSONL file, ours ({"id", ...}) or BeIR's
     ({"_id", "title", "text", "metadata"}), or from a hub dataset in BeIR's layout (e.g.
-    BeIR/hotpotqa, config "corpus") through the datasets library.
+    BeIR/hotpotqa, config "corpus") through the datasets library. Every row is checked as it is
+    read (text and title strings, not both empty; id a string or an integer), and a bad one is a
+    ValueError naming its file and line: a number or a list as text would otherwise reach the
+    encoder halfway through a build.
     """
-    if os.path.exists(source):
+    if corpus_is_file(source):
         with open(source) as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
@@ -77,17 +84,41 @@ def iter_corpus(source):
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{source}:{n}: not a JSON line ({e}); a corpus is JSONL of {{\"id\", \"title\", \"text\"}}") from None
-                if not isinstance(row, dict) or "text" not in row:
-                    raise ValueError(f"{source}:{n}: a passage needs a 'text' field; a corpus is JSONL of {{\"id\", \"title\", \"text\"}}")
-                yield {"id": str(row.get("id", row.get("_id", n - 1))), "title": row.get("title") or "", "text": row["text"]}
-    elif source.endswith((".jsonl", ".json")) or source.count("/") != 1:
-        raise FileNotFoundError(f"corpus {source!r} does not exist (a JSONL of {{id, title, text}}, or a hub dataset "
-                                "id such as BeIR/hotpotqa)")
+                    raise ValueError(f"{source}:{n}: not a JSON line ({e}); {CORPUS_FORMAT}") from None
+                yield checked_passage(row, f"{source}:{n}", n - 1)
     else:
         from datasets import load_dataset
-        for row in load_dataset(source, "corpus", split="corpus"):
-            yield {"id": str(row["_id"]), "title": row.get("title") or "", "text": row["text"]}
+        for i, row in enumerate(load_dataset(source, "corpus", split="corpus")):
+            yield checked_passage(row, f"{source} row {i}", i)
+
+
+def corpus_is_file(source):
+    """True for a local file, False for a hub dataset id; a missing file is named."""
+    if os.path.exists(source):
+        return True
+    if source.endswith((".jsonl", ".json")) or source.count("/") != 1:
+        raise FileNotFoundError(f"corpus {source!r} does not exist (a JSONL of {{id, title, text}}, or a hub dataset "
+                                "id such as BeIR/hotpotqa)")
+    return False
+
+
+def checked_passage(row, where, default_id):
+    """The {"id", "title", "text"} of one corpus row, or a ValueError saying where it is and what is wrong."""
+    if not isinstance(row, dict) or "text" not in row:
+        raise ValueError(f"{where}: a passage needs a 'text' field; {CORPUS_FORMAT}")
+    pid, title, text = row.get("id", row.get("_id", default_id)), row.get("title"), row["text"]
+    title = "" if title is None else title
+    if not isinstance(text, str):
+        problem = f"'text' must be a string, not {type(text).__name__}"
+    elif not isinstance(title, str):
+        problem = f"'title' must be a string, not {type(title).__name__}"
+    elif isinstance(pid, bool) or not isinstance(pid, (str, int)):
+        problem = f"'id' must be a string or an integer, not {type(pid).__name__}"
+    elif not (text.strip() or title.strip()):
+        problem = "the passage has no text and no title: nothing to embed"
+    else:
+        return {"id": str(pid), "title": title, "text": text}
+    raise ValueError(f"{where}: {problem}; {CORPUS_FORMAT}")
 
 
 def load_corpus(path):
@@ -98,8 +129,24 @@ def load_corpus(path):
 # -----------------------------------------------------------------------------
 # the document store: docs.jsonl + a memmap of line offsets
 
+def replace_durably(tmp, path):
+    """os.replace after an fsync of the file, then an fsync of its folder: after a power cut `path` holds
+    the old bytes or the new ones, not an empty file (a rename alone may reach the disk before the data)."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_docstore(passages, index_dir, progress=None):
-    """Write docs.jsonl and offsets.npy (atomically: a crash leaves no half store). Returns the count."""
+    """Write docs.jsonl and offsets.npy (each atomically: a crash leaves no half file). Returns the count."""
     os.makedirs(index_dir, exist_ok=True)
     docs, offsets = os.path.join(index_dir, DOCS), os.path.join(index_dir, OFFSETS)
     ends = [0]
@@ -109,9 +156,9 @@ def write_docstore(passages, index_dir, progress=None):
             ends.append(f.tell())
             if progress is not None:
                 progress.update(1)
-    os.replace(docs + ".tmp", docs)
+    replace_durably(docs + ".tmp", docs)
     np.save(offsets + ".tmp.npy", np.asarray(ends, dtype=np.int64))
-    os.replace(offsets + ".tmp.npy", offsets)
+    replace_durably(offsets + ".tmp.npy", offsets)
     return len(ends) - 1
 
 
@@ -147,7 +194,11 @@ def read_meta(index_dir):
         raise FileNotFoundError(f"no search index at {index_dir} ({path} is missing); build one with "
                                 f"`python build_index.py --corpus=CORPUS.jsonl --out={index_dir} --encoder=ENCODER`")
     with open(path) as f:
-        return json.load(f)
+        meta = json.load(f)
+    if "index_file" not in meta:
+        raise ValueError(f"{path} names no index file: {index_dir} was built by an older build_index.py; build it again "
+                         "with build_index.py (the same options; it starts from scratch, as that build did not record its corpus)")
+    return meta
 
 
 def check_encoder(encoder, meta, index_dir, name=None):
@@ -188,15 +239,21 @@ class IndexRetriever:
         self.encoder = encoder
         # memory-mapped: IVF's inverted lists, or the vectors of flat and HNSW indexes
         mmap = faiss.IO_FLAG_MMAP if meta["index_type"] == "ivf" else faiss.IO_FLAG_MMAP_IFC
-        self.index = faiss.read_index(os.path.join(index_dir, INDEX), mmap | faiss.IO_FLAG_READ_ONLY)
+        path = os.path.join(index_dir, meta["index_file"])
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"the {META} of {index_dir} names {meta['index_file']}, which is missing (copied in part, or "
+                                    "changed by hand?); copy the whole folder, or run build_index.py again with the same "
+                                    "options: it reuses the embeddings")
+        self.index = faiss.read_index(path, mmap | faiss.IO_FLAG_READ_ONLY)
         if meta["index_type"] == "ivf":
             self.index.nprobe = meta["nprobe"]
         elif meta["index_type"] == "hnsw":
             self.index.hnsw.efSearch = meta["ef_search"]
         self.docs = DocStore(index_dir)
-        if len(self.docs) != self.index.ntotal or self.index.ntotal != meta["count"]:
-            raise ValueError(f"{index_dir} is inconsistent: {meta['count']} passages in {META}, {self.index.ntotal} in "
-                             f"{INDEX}, {len(self.docs)} in {DOCS}; rebuild it with build_index.py")
+        if len(self.docs) != self.index.ntotal or self.index.ntotal != meta["count"] or self.index.d != meta["dim"]:
+            raise ValueError(f"{index_dir} is inconsistent: {meta['count']} passages of {meta['dim']} dims in {META}, "
+                             f"{self.index.ntotal} of {self.index.d} in {meta['index_file']}, {len(self.docs)} in {DOCS}; "
+                             "run build_index.py again with the same options")
 
     def search(self, queries, k):
         """queries: list of str -> for each, the top-k passages (dicts with id, title, text, score)."""

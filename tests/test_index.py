@@ -1,11 +1,14 @@
 """
 build_index.py and the on-disk retriever: the CLI contract on the synthetic corpus with the packaged
 MiniLM encoder, retrieval recall, the document store, BeIR's corpus format, resuming, IVF/HNSW,
-torchrun sharding, and the refusal of an encoder the index was not built with.
+torchrun sharding, the refusal of an encoder the index was not built with, and the faults of a
+rerun: a changed corpus (built again), a bad row (refused by file:line before anything is written),
+a build killed before its commit (the old index and meta.json stay a pair).
 """
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -202,3 +205,104 @@ def test_torchrun_two_ranks_build_the_same_index(world, tmp_path, encoder):
     queries = [r["question"] for r in world["rows"][:20]]
     ids = lambda r: [[p["id"] for p in h] for h in r.search(queries, 3)]  # noqa: E731
     assert ids(IndexRetriever(str(out), encoder)) == ids(IndexRetriever(world["index"], encoder))
+
+
+PASSAGES = [{"id": "0", "title": "Albedo", "text": "Albedo is the fraction of light that a surface reflects."},
+            {"id": "1", "title": "Zurich", "text": "Zurich is the largest city in Switzerland."},
+            {"id": "2", "title": "Basalt", "text": "Basalt is a volcanic rock that cools quickly."}]
+
+
+def test_a_changed_corpus_is_built_again(tmp_path, encoder, capsys):
+    """
+    A rerun after the corpus changed (a passage added; a same-size edit under the same mtime) copies
+    and embeds it again from scratch, and says so; a corpus only touched (same bytes) is resumed; a
+    corpus that became invalid is refused and leaves the index as it was.
+    """
+    corpus, out = write_jsonl(PASSAGES[:2], tmp_path / "corpus.jsonl"), str(tmp_path / "index")
+    args = [f"--corpus={corpus}", f"--out={out}", f"--encoder={packaged_minilm_path()}"]
+    build_index.main(args)
+    write_jsonl(PASSAGES, corpus)
+    build_index.main(args)
+    printed = capsys.readouterr().out
+    assert "is not the corpus" in printed and "built again from scratch" in printed and "3 passages" in printed
+    retriever = IndexRetriever(out, encoder)
+    assert (len(retriever.docs), retriever.meta["count"]) == (3, 3)
+    assert retriever.search(["a volcanic rock"], 1)[0][0]["id"] == "2"
+    stat = os.stat(corpus)
+    os.utime(corpus, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    build_index.main(args)
+    printed = capsys.readouterr().out
+    assert "embedding 0 of 1 shards" in printed and "from scratch" not in printed
+    write_jsonl(PASSAGES[:2] + [{**PASSAGES[2], "text": PASSAGES[2]["text"].replace("quickly", "rapidly")}], corpus)
+    os.utime(corpus, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # only the hash can tell
+    build_index.main(args)
+    assert "built again from scratch" in capsys.readouterr().out and "rapidly" in DocStore(out)[2]["text"]
+    with open(corpus, "a") as f:
+        f.write('{"id": "3", "title": "Quartz", "text": ["not", "a", "string"]}\n')
+    with pytest.raises(SystemExit, match=r"corpus.jsonl:4: 'text' must be a string, not list"):
+        build_index.main(args)
+    assert "rapidly" in IndexRetriever(out, encoder).search(["a volcanic rock"], 1)[0][0]["text"]
+
+
+def test_a_bad_corpus_row_is_refused_before_anything_is_written(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    for row, error in [('{"id": "1", "text": 5}', "'text' must be a string, not int"),
+                       ('{"id": "1", "title": "", "text": "  "}', "the passage has no text and no title: nothing to embed"),
+                       ('{"id": "1", "title": 7, "text": "x"}', "'title' must be a string, not int"),
+                       ('{"id": [1], "text": "x"}', "'id' must be a string or an integer, not list"),
+                       ('["x"]', "a passage needs a 'text' field")]:
+        bad.write_text(json.dumps(PASSAGES[0]) + "\n" + row + "\n")
+        with pytest.raises(ValueError, match=f"bad.jsonl:2: {re.escape(error)}"):
+            load_corpus(str(bad))
+    bad.write_text(json.dumps(PASSAGES[0]) + "\n" + '{"id": "1", "text": 5}\n')
+    args = [f"--corpus={bad}", f"--out={tmp_path / 'index'}", f"--encoder={packaged_minilm_path()}"]
+    for _ in range(2):  # the rerun says the same, instead of resuming a build of the bad corpus
+        with pytest.raises(SystemExit, match=r"bad.jsonl:2: 'text' must be a string, not int"):
+            build_index.main(args)
+        assert not os.path.exists(tmp_path / "index" / "build.json")
+
+
+def test_a_build_killed_before_its_commit_leaves_the_old_index(world, tmp_path, encoder, monkeypatch):
+    """
+    meta.json names the index file it goes with and is replaced last: a build of another index type
+    killed just before that leaves the old pair, which still serves; the rerun finishes the new one
+    and removes the old file. A meta.json whose index file is gone is refused by name.
+    """
+    import faiss
+    out = tmp_path / "index"
+    shutil.copytree(world["index"], out)
+    replace = os.replace
+
+    def killed_at_commit(src, dst):
+        if os.path.basename(dst) == META:
+            raise KeyboardInterrupt
+        replace(src, dst)
+
+    args = [f"--corpus={world['corpus_path']}", f"--out={out}", f"--encoder={packaged_minilm_path()}", "--shard-size=64",
+            "--index-type=hnsw"]
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", killed_at_commit)
+        with pytest.raises(KeyboardInterrupt):
+            build_index.main(args)
+    queries = [r["question"] for r in world["rows"][:5]]
+    retriever = IndexRetriever(str(out), encoder)
+    assert retriever.meta["index_type"] == "flat" and isinstance(retriever.index, faiss.IndexFlatIP)
+    assert retriever.search(queries, 3) == IndexRetriever(world["index"], encoder).search(queries, 3)
+    build_index.main(args)
+    retriever = IndexRetriever(str(out), encoder)
+    assert retriever.meta["index_type"] == "hnsw" and isinstance(retriever.index, faiss.IndexHNSWFlat)
+    assert [f for f in os.listdir(out) if f.endswith(".faiss")] == [retriever.meta["index_file"]]
+    os.remove(out / retriever.meta["index_file"])
+    with pytest.raises(FileNotFoundError, match=f"{META} of {out} names .*faiss, which is missing"):
+        IndexRetriever(str(out), encoder)
+
+
+def test_a_hub_corpus_is_checked_and_fingerprinted(monkeypatch):
+    """A hub dataset's rows are checked like a file's (named by row number); its fingerprint is the datasets library's."""
+    import datasets
+    dataset = datasets.Dataset.from_list([{"_id": "7", "title": "Albedo", "text": "Albedo is reflected light."},
+                                          {"_id": "8", "title": "Basalt", "text": None}])
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config, split: dataset)
+    with pytest.raises(ValueError, match="Org/corpus row 1: 'text' must be a string, not NoneType"):
+        load_corpus("Org/corpus")
+    assert build_index.corpus_fingerprint("Org/corpus") == {"rows": 2, "fingerprint": dataset._fingerprint}

@@ -85,17 +85,28 @@ def parse_tool_calls(text):
     return calls
 
 
-def _start(fn, arg):
-    """Start fn(arg) in a daemon thread; returns (thread, box) and box gets "result" or "error".
-    A call that never returns is abandoned at its time limit (a Python thread cannot be killed)
-    but blocks neither the rollout nor process exit."""
+def _start(tool, arguments):
+    """
+    Start a tool on the arguments of some calls in a daemon thread: call_batch on all of them when
+    the tool batches, else call on the one. Returns (thread, box); box gets "results" (one string per
+    call) or "error" (what went wrong). Everything the tool raises is caught here, BaseException
+    included: a tool that calls sys.exit() or raises KeyboardInterrupt has failed, and the model reads
+    that like any other failure. No real Ctrl-C is swallowed: Python delivers signals to the main
+    thread only, and no tool runs there. A call that never returns is abandoned at its time limit (a
+    Python thread cannot be killed); being a daemon thread, it does not hold up process exit.
+    """
     box = {}
 
     def target():
         try:
-            box["result"] = fn(arg)
-        except Exception as e:  # the tool's own failure becomes an observation
-            box["error"] = f"{type(e).__name__}: {e}"
+            results = tool.call_batch(arguments) if tool.call_batch is not None else [tool.call(arguments[0])]
+            if not isinstance(results, (list, tuple)) or len(results) != len(arguments):
+                got = f"{len(results)} results" if isinstance(results, (list, tuple)) else f"a {type(results).__name__}"
+                box["error"] = f"returned {got} for {len(arguments)} calls."
+            else:
+                box["results"] = [str(r) for r in results]
+        except BaseException as e:
+            box["error"] = f"failed: {type(e).__name__}" + (f": {e}" if str(e) else "")
 
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
@@ -103,12 +114,28 @@ def _start(fn, arg):
 
 
 class ToolEnv:
-    def __init__(self, tools, tokenizer, max_obs_tokens=512, timeout_s=10.0, workers=4):
+    """
+    Runs tool calls (execute, start), cuts their results to a token budget (truncate) and renders
+    them as observation tokens (observation_ids).
+
+    A call past its time limit is abandoned, not stopped: a Python thread cannot be killed, and the
+    tools that matter here (search over an in-memory index and encoder) cannot move to a process that
+    could be. So abandoned calls are bounded per tool instead: while `max_abandoned` earlier calls of a
+    tool are still running past their limit, new calls to it fail at once with an error observation
+    and start no thread. A tool that hangs for good then holds at most `max_abandoned` threads for the
+    whole run (plus the calls in flight), rather than one more per call; a tool that was only slow
+    serves again as soon as its abandoned calls end.
+    """
+
+    def __init__(self, tools, tokenizer, max_obs_tokens=512, timeout_s=10.0, workers=4, max_abandoned=8):
         self.tools = {t.name: t for t in tools}
         self.tokenizer = tokenizer
         self.max_obs_tokens = max_obs_tokens
         self.timeout_s = timeout_s
         self.workers = workers
+        self.max_abandoned = max_abandoned
+        self.abandoned = {}           # tool name -> threads of its calls abandoned at their time limit
+        self.lock = threading.Lock()  # guards abandoned: the background workers run execute concurrently
         self.waiting = queue.Queue()  # (calls, future) that start() handed to the background workers
         self.started = []             # the worker threads, started on first use
 
@@ -159,9 +186,10 @@ class ToolEnv:
         """
         Run tool calls in place: each ToolCall gets its result text (whole), error flag and
         duration. Calls to a tool with call_batch go to it as one batch; the others run in
-        parallel threads. Each gets the environment's time limit. Uses no tokenizer.
+        parallel threads. Each gets the environment's time limit, and a batch that fails or times
+        out fails its own calls only. Uses no tokenizer.
         """
-        jobs = []  # (thread, box, calls served, batched, started)
+        jobs = []  # (thread, box, calls served, started)
         by_tool = {}
         for call in calls:
             if call.error:
@@ -178,30 +206,37 @@ class ToolEnv:
             by_tool.setdefault(tool.name, []).append(call)
         for name, group in by_tool.items():
             tool = self.tools[name]
-            if tool.call_batch is not None:
-                thread, box = _start(tool.call_batch, [c.arguments for c in group])
-                jobs.append((thread, box, group, True, time.perf_counter()))
+            with self.lock:
+                stuck = self.abandoned[name] = [t for t in self.abandoned.get(name, []) if t.is_alive()]
+            if len(stuck) >= self.max_abandoned:
+                for c in group:
+                    c.result, c.error = (f"Error: tool {name} is not answering: {len(stuck)} earlier calls are still running "
+                                         f"past the time limit of {self.timeout_s:g}s."), True
+            elif tool.call_batch is not None:
+                thread, box = _start(tool, [c.arguments for c in group])
+                jobs.append((thread, box, group, time.perf_counter()))
             else:
                 for c in group:
-                    thread, box = _start(tool.call, c.arguments)
-                    jobs.append((thread, box, [c], False, time.perf_counter()))
-        for thread, box, served, batched, started in jobs:
+                    thread, box = _start(tool, [c.arguments])
+                    jobs.append((thread, box, [c], time.perf_counter()))
+        for thread, box, served, started in jobs:
             thread.join(max(0.0, started + self.timeout_s - time.perf_counter()))
             seconds = time.perf_counter() - started
+            name = served[0].name
             if thread.is_alive():
-                results, error = None, f"Error: tool {served[0].name} timed out after {self.timeout_s:g}s."
+                with self.lock:
+                    self.abandoned.setdefault(name, []).append(thread)
+                results, error = None, f"Error: tool {name} timed out after {self.timeout_s:g}s."
             elif "error" in box:
-                results, error = None, f"Error: tool {served[0].name} failed: {box['error']}"
+                results, error = None, f"Error: tool {name} {box['error']}"
             else:
-                results, error = box["result"] if batched else [box["result"]], None
-                if len(results) != len(served):
-                    results, error = None, f"Error: tool {served[0].name} returned {len(results)} results for {len(served)} calls."
+                results, error = box["results"], None
             for i, c in enumerate(served):
                 c.seconds = seconds
                 if error is not None:
                     c.result, c.error = error, True
                 else:
-                    c.result = str(results[i])
+                    c.result = results[i]
         return calls
 
     def truncate(self, text):

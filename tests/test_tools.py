@@ -5,6 +5,7 @@ tokenizer and under Qwen2.5's real one.
 """
 
 import random
+import threading
 import time
 
 import pytest
@@ -69,6 +70,57 @@ def test_env_errors_become_observations_and_slow_tools_time_out(tiny_tok):
     assert "ZeroDivisionError" in calls[3].result
     assert "timed out after 0.3s" in calls[4].result
     assert "RuntimeError: disk on fire" in calls[6].result
+
+
+def test_base_exceptions_and_a_failing_batch_fail_only_their_own_calls(tiny_tok):
+    """SystemExit and KeyboardInterrupt raised by a tool are its failure, an observation like any other;
+    a batched search that raises, hangs past its limit or answers wrongly fails its own calls only."""
+    def raiser(exc):
+        def call(args):
+            raise exc
+        return call
+
+    hang = threading.Event()
+    searches = {"raises": raiser(KeyboardInterrupt()), "hangs": lambda args: (hang.wait(), ["x"] * len(args))[1],
+                "miscounts": lambda args: ["x"], "says none": lambda args: None}
+    tools = [Tool("exit", "", {"type": "object"}, raiser(SystemExit(3))), Tool("interrupt", "", {"type": "object"}, raiser(KeyboardInterrupt())),
+             calculator_tool()] + [Tool(name, "", {"type": "object"}, None, call_batch=batch) for name, batch in searches.items()]
+    env = ToolEnv(tools, tiny_tok, timeout_s=0.05)
+    try:
+        calls = [ToolCall("exit", {}), ToolCall("interrupt", {}), ToolCall("calculator", {"expression": "1+1"})]
+        env.run(calls)
+        assert [(c.result, c.error) for c in calls] == [("Error: tool exit failed: SystemExit: 3", True),
+                                                         ("Error: tool interrupt failed: KeyboardInterrupt", True), ("2", False)]
+        for name, why in [("raises", "failed: KeyboardInterrupt"), ("hangs", "timed out after 0.05s"),
+                          ("miscounts", "returned 1 results for 2 calls"), ("says none", "returned a NoneType for 2 calls")]:
+            calls = [ToolCall(name, {}), ToolCall("calculator", {"expression": "6*7"}), ToolCall(name, {})]
+            env.start(calls).result(timeout=5)  # the background workers, as the rollout runs tools
+            assert calls[1].result == "42" and not calls[1].error, name
+            assert calls[0].error and calls[2].error and why in calls[0].result and calls[0].result == calls[2].result, name
+    finally:
+        hang.set()
+
+
+def test_a_hanging_tool_holds_a_bounded_number_of_threads(tiny_tok):
+    """Calls abandoned at their time limit cannot be killed: while max_abandoned of a tool's calls are still
+    running, its new calls fail at once rather than start more threads; once they end, it serves again."""
+    release = threading.Event()
+    hangs = Tool("hangs", "Never answers until released.", {"type": "object"}, lambda args: (release.wait(), "back")[1])
+    env = ToolEnv([hangs, calculator_tool()], tiny_tok, timeout_s=0.05, max_abandoned=3)
+    before = threading.active_count()
+    try:
+        for step in range(50):
+            calls = env.run([ToolCall("hangs", {}), ToolCall("calculator", {"expression": "2*3"})])
+            assert calls[1].result == "6" and calls[0].error
+            assert threading.active_count() <= before + env.max_abandoned, step
+        assert calls[0].result == "Error: tool hangs is not answering: 3 earlier calls are still running past the time limit of 0.05s."
+    finally:
+        release.set()
+    deadline = time.time() + 5
+    while threading.active_count() > before and time.time() < deadline:
+        time.sleep(0.01)
+    env.timeout_s = 5.0
+    assert env.run([ToolCall("hangs", {})])[0].result == "back"
 
 
 def test_truncation_keeps_the_token_budget(tok):

@@ -16,6 +16,7 @@ would render for the same conversation.
 """
 
 import ast
+import functools
 import json
 import math
 import operator
@@ -241,15 +242,42 @@ class ToolEnv:
 
     def truncate(self, text):
         """
-        Cut a tool result to max_obs_tokens tokens (the environment's own text, so re-encoding is fine).
-        A byte-level cut can fall inside a character made of several tokens (a rare CJK character, an
-        emoji); its partial bytes decode to U+FFFD, which is dropped rather than shown to the model.
+        Cut a tool result so that it costs at most max_obs_tokens tokens in its place in the
+        observation, the truncation mark included (result_tokens). The cut falls where one of the
+        text's tokens begins, which is always between two characters (the tokens of a character
+        made of several share its start), so no character is split and no U+FFFD appears. One
+        encode with offsets finds those places; the longest prefix that fits is then found by
+        trying them from about the budget down, a few encodes of about the budget's length.
         """
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) <= self.max_obs_tokens:
+        before, after, alone = self._result_frame
+        enc = self.tokenizer(before + text + after, add_special_tokens=False, return_offsets_mapping=True)
+        if len(enc["input_ids"]) - alone <= self.max_obs_tokens:
             return text
-        keep = max(0, self.max_obs_tokens - len(self.tokenizer.encode(TRUNCATION_MARK, add_special_tokens=False)))
-        return self.tokenizer.decode(ids[:keep]).rstrip("\ufffd") + TRUNCATION_MARK
+        starts = sorted({s - len(before) for s, _ in enc["offset_mapping"] if 0 < s - len(before) < len(text)})
+        for n in reversed(starts[:self.max_obs_tokens]):  # text[:starts[k]] holds about k + 1 tokens
+            if self.result_tokens(text[:n] + TRUNCATION_MARK) <= self.max_obs_tokens:
+                return text[:n] + TRUNCATION_MARK
+        return TRUNCATION_MARK if self.result_tokens(TRUNCATION_MARK) <= self.max_obs_tokens else ""
+
+    def result_tokens(self, text):
+        """
+        The tokens `text` adds to an observation as a tool result: the chat template's text around a
+        tool message, encoded with it minus without it. A result alone would be miscounted, since
+        merges span its edges (".\n" is one Qwen token, the "\n" being the template's).
+        """
+        before, after, alone = self._result_frame
+        return len(self.tokenizer.encode(before + text + after, add_special_tokens=False)) - alone
+
+    @functools.cached_property
+    def _result_frame(self):
+        """(template text before a tool result, after it, tokens of the two alone), rendered once."""
+        marker = "\x00tool result\x00"
+        text = self.tokenizer.apply_chat_template([{"role": "user", "content": "?"}, {"role": "assistant", "content": "?"},
+                                                   {"role": "tool", "content": marker}], tokenize=False, add_generation_prompt=True)
+        if text.count(marker) != 1:
+            raise ValueError("the chat template does not render a tool result verbatim")
+        before, after = text.split(marker)
+        return before, after, len(self.tokenizer.encode(before + after, add_special_tokens=False))
 
     def render(self, messages, add_generation_prompt=False):
         return self.tokenizer.apply_chat_template(messages, tools=self.schemas() or None, tokenize=False,

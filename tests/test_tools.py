@@ -123,17 +123,28 @@ def test_a_hanging_tool_holds_a_bounded_number_of_threads(tiny_tok):
     assert env.run([ToolCall("hangs", {})])[0].result == "back"
 
 
-def test_truncation_keeps_the_token_budget(tok):
-    env = ToolEnv([], tok, max_obs_tokens=20)
-    long = " ".join(["passage"] * 200)
-    cut = env.truncate(long)
-    assert cut.endswith("[truncated]") and len(tok.encode(cut, add_special_tokens=False)) <= 21
-    assert env.truncate("short") == "short"
-    # characters of several byte-level tokens each: the cut drops a partial character rather than show U+FFFD
-    for text in ["a𓀀" * 40, "東京都の天気は晴れです。" * 20, "ünïcode ✓ " * 30]:
-        cut = env.truncate(text)
-        assert "\ufffd" not in cut and text.startswith(cut[:-len(TRUNCATION_MARK)]), text[:12]
-        assert len(tok.encode(cut, add_special_tokens=False)) <= 21
+def test_truncation_keeps_the_token_budget_in_place(tok):
+    """A truncated result costs at most max_obs_tokens tokens where it lands, in the observation (merges
+    span its edges: ".\n" is one Qwen token), and is a prefix of whole characters: no U+FFFD, even where
+    a character is several tokens (emoji, rare CJK, combining marks)."""
+    messages = [{"role": "user", "content": "q"}]
+    content = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+
+    def cost(env, results):
+        return len(env.observation_ids(messages, content, results)[0]) - len(env.observation_ids(messages, content, [""] * len(results))[0])
+
+    rng = random.Random(0)
+    pieces = list("ab .,!\n\t东京😀é́𓀀\u200d👩‍💻x1") + ["...", " \n", ".\n", "東京都の天気は晴れです。", " passage"]
+    for budget in [64, 20]:
+        env = ToolEnv([], tok, max_obs_tokens=budget)
+        assert env.truncate("short") == "short"
+        for _ in range(20):
+            text = "".join(rng.choice(pieces) for _ in range(rng.randint(20, 120)))
+            cut = env.truncate(text)
+            assert "\ufffd" not in cut and (cut == text or (cut.endswith(TRUNCATION_MARK) and text.startswith(cut[:-len(TRUNCATION_MARK)])))
+            assert cost(env, [cut]) <= budget, (budget, cut)
+            assert cut == text or cost(env, [cut]) > budget - 8  # not much shorter than it may be
+        assert cost(env, [cut, env.truncate(" ".join(["passage."] * 200)), cut]) <= 3 * budget
 
 
 def test_batched_search_over_real_faiss_and_minilm(tiny_tok):

@@ -4,10 +4,12 @@ Tools and the tool environment.
 A Tool is a name, a description, JSON-schema parameters and a function from arguments to text.
 The model calls tools Hermes-style, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
 the environment parses the call, checks the arguments against the schema, runs it under a time
-limit (a daemon thread per call, never a process-wide signal), truncates the result to a token
-budget, and renders it back with the tokenizer's chat template. Anything that goes wrong — bad
-JSON, an unknown tool, bad arguments, an exception, a time-out — becomes an error observation the
-model reads and can recover from; it never crashes the rollout.
+limit (a daemon thread per call, never a process-wide signal; calls abandoned at the limit are
+bounded per tool, see ToolEnv), truncates the result to a token budget counted where the result
+lands in the observation, and renders it back with the tokenizer's chat template. Anything that
+goes wrong — bad JSON, an unknown tool, bad arguments, anything the tool raises (SystemExit and
+KeyboardInterrupt included), a time-out — becomes an error observation the model reads and can
+recover from; it never crashes the rollout, and fails only the calls it concerns.
 
 Observation tokens come from rendering only the new messages: the chat-template text that closes
 the assistant turn, the tool turn, and the header of the next assistant turn, i.e. the suffix the

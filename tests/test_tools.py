@@ -4,7 +4,9 @@ What depends on the vocabulary (observation ids, demonstrations, truncation) run
 tokenizer and under Qwen2.5's real one.
 """
 
+import os
 import random
+import signal
 import threading
 import time
 
@@ -99,6 +101,23 @@ def test_base_exceptions_and_a_failing_batch_fail_only_their_own_calls(tiny_tok)
             assert calls[0].error and calls[2].error and why in calls[0].result and calls[0].result == calls[2].result, name
     finally:
         hang.set()
+
+
+def test_a_real_ctrl_c_still_stops_a_run(tiny_tok):
+    """A KeyboardInterrupt a tool raises is caught in the tool's thread; a SIGINT goes to the main
+    thread, which runs no tool and catches nothing: it stops the run at once."""
+    release = threading.Event()
+    env = ToolEnv([Tool("hangs", "", {"type": "object"}, lambda args: (release.wait(), "back")[1])], tiny_tok, timeout_s=30)
+    ctrl_c = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
+    start = time.perf_counter()
+    try:
+        ctrl_c.start()
+        with pytest.raises(KeyboardInterrupt):
+            env.run([ToolCall("hangs", {})])
+    finally:
+        ctrl_c.join()
+        release.set()
+    assert time.perf_counter() - start < 10
 
 
 def test_a_hanging_tool_holds_a_bounded_number_of_threads(tiny_tok):

@@ -27,6 +27,7 @@ from nanoagent.tasks import load_task
 
 THINK_TAG_RE = re.compile(r"</?think>")
 CALL_BLOCK_RE = re.compile(r"<tool_call>.*?(?:</tool_call>|\Z)", re.DOTALL)  # closed, or cut off by the token budget
+CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 but tab and newline, DEL, C1
 STOPPED = {  # why an answer ended without one, and the setting behind it
     "truncated": "the turn ran out of new tokens (rollout.max_new_tokens)",
     "context_budget": "the conversation reached the context budget (rollout.max_context_tokens)",
@@ -57,6 +58,15 @@ def load_config(model, preset, overrides):
         fail(f"config: {e}")
 
 
+def printable(text):
+    """
+    Text from the model or a tool as the terminal may show it: every control character but tab and
+    newline written out as an escape (ESC as \\x1b), so that none moves the cursor, recolours the
+    terminal or sets its title. Shown as rich Text, never as markup, so "[red]" stays "[red]".
+    """
+    return CONTROL_RE.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def ask(engine, env, messages, question, sampling, max_turns, max_context):
     """
     Answer one question: the agent loop over the conversation so far plus the question. Returns
@@ -77,7 +87,7 @@ def ask(engine, env, messages, question, sampling, max_turns, max_context):
 
 def show(console, traj):
     """The panels of one answer: for each assistant turn its reasoning, its tool calls with their
-    results, and the answer."""
+    results, and the answer; what the model or a tool wrote goes through printable."""
     from rich.panel import Panel
     from rich.text import Text
 
@@ -89,22 +99,23 @@ def show(console, traj):
         blocks = CALL_BLOCK_RE.findall(content)
         prose = THINK_TAG_RE.sub("", ANSWER_RE.sub("", CALL_BLOCK_RE.sub("", content))).strip()
         if prose and (calls or answer is not None):
-            console.print(Panel(Text(prose), title="reasoning", title_align="left", border_style="dim"))
+            console.print(Panel(Text(printable(prose)), title="reasoning", title_align="left", border_style="dim"))
         elif prose:  # no call and no <answer> tag: the whole reply is what the agent said
-            console.print(Panel(Text(prose), title="reply", title_align="left", border_style="magenta"))
+            console.print(Panel(Text(printable(prose)), title="reply", title_align="left", border_style="magenta"))
         out_of_turns = traj.finish_reason == "max_turns" and turn == len(turns) - 1  # its calls never ran
         for i, call in enumerate(calls):
             if call.name is not None:
                 said = f"{call.name}({json.dumps(call.arguments, ensure_ascii=False)})"
             else:  # unparsable: what the model wrote (parse_tool_calls makes one call per block, in order)
                 said = blocks[i] if i < len(blocks) else "(malformed tool call)"
-            console.print(Panel(Text(said), title="tool call", title_align="left", border_style="yellow"))
+            console.print(Panel(Text(printable(said)), title="tool call", title_align="left", border_style="yellow"))
             if out_of_turns:
                 continue
-            console.print(Panel(Text(call.result), title=f"{call.name or 'tool'} error" if call.error else f"{call.name} result",
-                                title_align="left", border_style="red" if call.error else "blue"))
+            title = f"{call.name or 'tool'} error" if call.error else f"{call.name} result"  # the name is the model's
+            console.print(Panel(Text(printable(call.result)), title=Text(printable(title)), title_align="left",
+                                border_style="red" if call.error else "blue"))
         if answer is not None:
-            console.print(Panel(Text(answer, style="bold"), title="answer", title_align="left", border_style="green"))
+            console.print(Panel(Text(printable(answer), style="bold"), title="answer", title_align="left", border_style="green"))
     if traj.finish_reason in STOPPED:
         console.print(Text(f"(stopped: {STOPPED[traj.finish_reason]})", style="dim"))
 

@@ -4,10 +4,12 @@ Tools and the tool environment.
 A Tool is a name, a description, JSON-schema parameters and a function from arguments to text.
 The model calls tools Hermes-style, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
 the environment parses the call, checks the arguments against the schema, runs it under a time
-limit (a daemon thread per call, never a process-wide signal), truncates the result to a token
-budget, and renders it back with the tokenizer's chat template. Anything that goes wrong — bad
-JSON, an unknown tool, bad arguments, an exception, a time-out — becomes an error observation the
-model reads and can recover from; it never crashes the rollout.
+limit (a daemon thread per call, never a process-wide signal; calls abandoned at the limit are
+bounded per tool, see ToolEnv), truncates the result to a token budget counted where the result
+lands in the observation, and renders it back with the tokenizer's chat template. Anything that
+goes wrong — bad JSON, an unknown tool, bad arguments, anything the tool raises (SystemExit and
+KeyboardInterrupt included), a time-out — becomes an error observation the model reads and can
+recover from; it never crashes the rollout, and fails only the calls it concerns.
 
 Observation tokens come from rendering only the new messages: the chat-template text that closes
 the assistant turn, the tool turn, and the header of the next assistant turn, i.e. the suffix the
@@ -16,6 +18,7 @@ would render for the same conversation.
 """
 
 import ast
+import functools
 import json
 import math
 import operator
@@ -85,17 +88,28 @@ def parse_tool_calls(text):
     return calls
 
 
-def _start(fn, arg):
-    """Start fn(arg) in a daemon thread; returns (thread, box) and box gets "result" or "error".
-    A call that never returns is abandoned at its time limit (a Python thread cannot be killed)
-    but blocks neither the rollout nor process exit."""
+def _start(tool, arguments):
+    """
+    Start a tool on the arguments of some calls in a daemon thread: call_batch on all of them when
+    the tool batches, else call on the one. Returns (thread, box); box gets "results" (one string per
+    call) or "error" (what went wrong). Everything the tool raises is caught here, BaseException
+    included: a tool that calls sys.exit() or raises KeyboardInterrupt has failed, and the model reads
+    that like any other failure. No real Ctrl-C is swallowed: Python delivers signals to the main
+    thread only, and no tool runs there. A call that never returns is abandoned at its time limit (a
+    Python thread cannot be killed); being a daemon thread, it does not hold up process exit.
+    """
     box = {}
 
     def target():
         try:
-            box["result"] = fn(arg)
-        except Exception as e:  # the tool's own failure becomes an observation
-            box["error"] = f"{type(e).__name__}: {e}"
+            results = tool.call_batch(arguments) if tool.call_batch is not None else [tool.call(arguments[0])]
+            if not isinstance(results, (list, tuple)) or len(results) != len(arguments):
+                got = f"{len(results)} results" if isinstance(results, (list, tuple)) else f"a {type(results).__name__}"
+                box["error"] = f"returned {got} for {len(arguments)} calls."
+            else:
+                box["results"] = [str(r) for r in results]
+        except BaseException as e:
+            box["error"] = f"failed: {type(e).__name__}" + (f": {e}" if str(e) else "")
 
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
@@ -103,12 +117,28 @@ def _start(fn, arg):
 
 
 class ToolEnv:
-    def __init__(self, tools, tokenizer, max_obs_tokens=512, timeout_s=10.0, workers=4):
+    """
+    Runs tool calls (execute, start), cuts their results to a token budget (truncate) and renders
+    them as observation tokens (observation_ids).
+
+    A call past its time limit is abandoned, not stopped: a Python thread cannot be killed, and the
+    tools that matter here (search over an in-memory index and encoder) cannot move to a process that
+    could be. So abandoned calls are bounded per tool instead: while `max_abandoned` earlier calls of a
+    tool are still running past their limit, new calls to it fail at once with an error observation
+    and start no thread. A tool that hangs for good then holds at most `max_abandoned` threads for the
+    whole run (plus the calls in flight), rather than one more per call; a tool that was only slow
+    serves again as soon as its abandoned calls end.
+    """
+
+    def __init__(self, tools, tokenizer, max_obs_tokens=512, timeout_s=10.0, workers=4, max_abandoned=8):
         self.tools = {t.name: t for t in tools}
         self.tokenizer = tokenizer
         self.max_obs_tokens = max_obs_tokens
         self.timeout_s = timeout_s
         self.workers = workers
+        self.max_abandoned = max_abandoned
+        self.abandoned = {}           # tool name -> threads of its calls abandoned at their time limit
+        self.lock = threading.Lock()  # guards abandoned: the background workers run execute concurrently
         self.waiting = queue.Queue()  # (calls, future) that start() handed to the background workers
         self.started = []             # the worker threads, started on first use
 
@@ -159,9 +189,10 @@ class ToolEnv:
         """
         Run tool calls in place: each ToolCall gets its result text (whole), error flag and
         duration. Calls to a tool with call_batch go to it as one batch; the others run in
-        parallel threads. Each gets the environment's time limit. Uses no tokenizer.
+        parallel threads. Each gets the environment's time limit, and a batch that fails or times
+        out fails its own calls only. Uses no tokenizer.
         """
-        jobs = []  # (thread, box, calls served, batched, started)
+        jobs = []  # (thread, box, calls served, started)
         by_tool = {}
         for call in calls:
             if call.error:
@@ -178,43 +209,77 @@ class ToolEnv:
             by_tool.setdefault(tool.name, []).append(call)
         for name, group in by_tool.items():
             tool = self.tools[name]
-            if tool.call_batch is not None:
-                thread, box = _start(tool.call_batch, [c.arguments for c in group])
-                jobs.append((thread, box, group, True, time.perf_counter()))
+            with self.lock:
+                stuck = self.abandoned[name] = [t for t in self.abandoned.get(name, []) if t.is_alive()]
+            if len(stuck) >= self.max_abandoned:
+                for c in group:
+                    c.result, c.error = (f"Error: tool {name} is not answering: {len(stuck)} earlier calls are still running "
+                                         f"past the time limit of {self.timeout_s:g}s."), True
+            elif tool.call_batch is not None:
+                thread, box = _start(tool, [c.arguments for c in group])
+                jobs.append((thread, box, group, time.perf_counter()))
             else:
                 for c in group:
-                    thread, box = _start(tool.call, c.arguments)
-                    jobs.append((thread, box, [c], False, time.perf_counter()))
-        for thread, box, served, batched, started in jobs:
+                    thread, box = _start(tool, [c.arguments])
+                    jobs.append((thread, box, [c], time.perf_counter()))
+        for thread, box, served, started in jobs:
             thread.join(max(0.0, started + self.timeout_s - time.perf_counter()))
             seconds = time.perf_counter() - started
+            name = served[0].name
             if thread.is_alive():
-                results, error = None, f"Error: tool {served[0].name} timed out after {self.timeout_s:g}s."
+                with self.lock:
+                    self.abandoned.setdefault(name, []).append(thread)
+                results, error = None, f"Error: tool {name} timed out after {self.timeout_s:g}s."
             elif "error" in box:
-                results, error = None, f"Error: tool {served[0].name} failed: {box['error']}"
+                results, error = None, f"Error: tool {name} {box['error']}"
             else:
-                results, error = box["result"] if batched else [box["result"]], None
-                if len(results) != len(served):
-                    results, error = None, f"Error: tool {served[0].name} returned {len(results)} results for {len(served)} calls."
+                results, error = box["results"], None
             for i, c in enumerate(served):
                 c.seconds = seconds
                 if error is not None:
                     c.result, c.error = error, True
                 else:
-                    c.result = str(results[i])
+                    c.result = results[i]
         return calls
 
     def truncate(self, text):
         """
-        Cut a tool result to max_obs_tokens tokens (the environment's own text, so re-encoding is fine).
-        A byte-level cut can fall inside a character made of several tokens (a rare CJK character, an
-        emoji); its partial bytes decode to U+FFFD, which is dropped rather than shown to the model.
+        Cut a tool result so that it costs at most max_obs_tokens tokens in its place in the
+        observation, the truncation mark included (result_tokens). The cut falls where one of the
+        text's tokens begins, which is always between two characters (the tokens of a character
+        made of several share its start), so no character is split and no U+FFFD appears. One
+        encode with offsets finds those places; the longest prefix that fits is then found by
+        trying them from about the budget down, a few encodes of about the budget's length.
         """
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) <= self.max_obs_tokens:
+        before, after, alone = self._result_frame
+        enc = self.tokenizer(before + text + after, add_special_tokens=False, return_offsets_mapping=True)
+        if len(enc["input_ids"]) - alone <= self.max_obs_tokens:
             return text
-        keep = max(0, self.max_obs_tokens - len(self.tokenizer.encode(TRUNCATION_MARK, add_special_tokens=False)))
-        return self.tokenizer.decode(ids[:keep]).rstrip("\ufffd") + TRUNCATION_MARK
+        starts = sorted({s - len(before) for s, _ in enc["offset_mapping"] if 0 < s - len(before) < len(text)})
+        for n in reversed(starts[:self.max_obs_tokens]):  # text[:starts[k]] holds about k + 1 tokens
+            if self.result_tokens(text[:n] + TRUNCATION_MARK) <= self.max_obs_tokens:
+                return text[:n] + TRUNCATION_MARK
+        return TRUNCATION_MARK if self.result_tokens(TRUNCATION_MARK) <= self.max_obs_tokens else ""
+
+    def result_tokens(self, text):
+        """
+        The tokens `text` adds to an observation as a tool result: the chat template's text around a
+        tool message, encoded with it minus without it. A result alone would be miscounted, since
+        merges span its edges (".\n" is one Qwen token, the "\n" being the template's).
+        """
+        before, after, alone = self._result_frame
+        return len(self.tokenizer.encode(before + text + after, add_special_tokens=False)) - alone
+
+    @functools.cached_property
+    def _result_frame(self):
+        """(template text before a tool result, after it, tokens of the two alone), rendered once."""
+        marker = "\x00tool result\x00"
+        text = self.tokenizer.apply_chat_template([{"role": "user", "content": "?"}, {"role": "assistant", "content": "?"},
+                                                   {"role": "tool", "content": marker}], tokenize=False, add_generation_prompt=True)
+        if text.count(marker) != 1:
+            raise ValueError("the chat template does not render a tool result verbatim")
+        before, after = text.split(marker)
+        return before, after, len(self.tokenizer.encode(before + after, add_special_tokens=False))
 
     def render(self, messages, add_generation_prompt=False):
         return self.tokenizer.apply_chat_template(messages, tools=self.schemas() or None, tokenize=False,

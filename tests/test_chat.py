@@ -65,24 +65,30 @@ def test_conversation_carries_over_and_starts_over_when_full(chat_model, env):
         chat.ask(engine, env, system, QUESTION, GREEDY, 4, 16)
 
 
+def panel_trajectory(env, turns, finish_reason):
+    """A trajectory of the given assistant turns, their tool calls run for real, as run_agent makes one."""
+    asked = scripted.user(QUESTION)
+    t = Trajectory(sample={"messages": asked}, prompt_ids=[], messages=list(asked), finish_reason=finish_reason)
+    for turn, content in enumerate(turns):
+        calls = parse_tool_calls(content)
+        if not (finish_reason == "max_turns" and turn == len(turns) - 1):  # as run_agent: a call in the last turn never runs
+            env.run(calls)
+        for c in calls:
+            c.turn = turn
+        t.tool_calls += calls
+        t.messages += [{"role": "assistant", "content": content}] + [{"role": "tool", "content": c.result} for c in calls]
+    return t
+
+
+def render(traj):
+    console = Console(file=StringIO(), width=100, color_system=None)
+    chat.show(console, traj)
+    return console.file.getvalue()
+
+
 def test_panels_show_reasoning_calls_results_errors_and_answer(env):
     def trajectory(turns, finish_reason):
-        asked = scripted.user(QUESTION)
-        t = Trajectory(sample={"messages": asked}, prompt_ids=[], messages=list(asked), finish_reason=finish_reason)
-        for turn, content in enumerate(turns):
-            calls = parse_tool_calls(content)
-            if not (finish_reason == "max_turns" and turn == len(turns) - 1):  # as run_agent: a call in the last turn never runs
-                env.run(calls)
-            for c in calls:
-                c.turn = turn
-            t.tool_calls += calls
-            t.messages += [{"role": "assistant", "content": content}] + [{"role": "tool", "content": c.result} for c in calls]
-        return t
-
-    def render(traj):
-        console = Console(file=StringIO(), width=100, color_system=None)
-        chat.show(console, traj)
-        return console.file.getvalue()
+        return panel_trajectory(env, turns, finish_reason)
 
     out = render(trajectory(["<think>Multiply with the tool.</think>\n" + scripted.call("calculator", {"expression": "12*7"}) +
                              scripted.call(None, None, raw="{oops}"), "<answer>84</answer>"], "answer"))
@@ -96,6 +102,20 @@ def test_panels_show_reasoning_calls_results_errors_and_answer(env):
     assert "reply" in out and "No tags, and the turn ran out of tok" in out and "(stopped: the turn ran out of new tokens" in out
     out = render(trajectory([scripted.call("calculator", {"expression": "1+1"})] * 2, "max_turns"))
     assert out.count("tool call") == 2 and out.count("calculator result") == 1 and "(stopped: the agent used all its turns" in out
+
+
+def test_panels_escape_control_characters_and_show_markup_as_text(env):
+    """What the model or a tool writes cannot move the cursor, recolour or retitle the terminal (its
+    control characters are shown escaped), nor style the panels (rich markup in it is shown as written)."""
+    evil = "\x1b[31mred\x1b[0m \x1b]0;title\x07 \r\x08\x9b2J\x00 [bold red]loud[/bold red]\ttab"
+    t = panel_trajectory(env, [f"<think>{evil}</think>" + scripted.call("calculator", {"expression": "1+1"}) +
+                               scripted.call(f"[red]x[/red]{evil}", {}), f"<answer>{evil}</answer>"], "answer")
+    t.tool_calls[0].result = evil  # a tool's own output
+    out = render(t)
+    assert not set(out) & {chr(c) for c in [*range(0x00, 0x09), *range(0x0b, 0x20), *range(0x7f, 0xa0)]}, repr(out)
+    shown = r"\x1b[31mred\x1b[0m \x1b]0;title\x07 \x0d\x08\x9b2J\x00 [bold red]loud[/bold red]"
+    assert out.count(shown) == 5  # the reasoning, the calculator's result, the unknown tool's call and its error's title, the answer
+    assert "\n╭─ [red]x[/red]" + r"\x1b[31mred" in out  # that title, the model's tool name as written
 
 
 @pytest.mark.slow

@@ -4,7 +4,10 @@ What depends on the vocabulary (observation ids, demonstrations, truncation) run
 tokenizer and under Qwen2.5's real one.
 """
 
+import os
 import random
+import signal
+import threading
 import time
 
 import pytest
@@ -71,17 +74,96 @@ def test_env_errors_become_observations_and_slow_tools_time_out(tiny_tok):
     assert "RuntimeError: disk on fire" in calls[6].result
 
 
-def test_truncation_keeps_the_token_budget(tok):
-    env = ToolEnv([], tok, max_obs_tokens=20)
-    long = " ".join(["passage"] * 200)
-    cut = env.truncate(long)
-    assert cut.endswith("[truncated]") and len(tok.encode(cut, add_special_tokens=False)) <= 21
-    assert env.truncate("short") == "short"
-    # characters of several byte-level tokens each: the cut drops a partial character rather than show U+FFFD
-    for text in ["a𓀀" * 40, "東京都の天気は晴れです。" * 20, "ünïcode ✓ " * 30]:
-        cut = env.truncate(text)
-        assert "\ufffd" not in cut and text.startswith(cut[:-len(TRUNCATION_MARK)]), text[:12]
-        assert len(tok.encode(cut, add_special_tokens=False)) <= 21
+def test_base_exceptions_and_a_failing_batch_fail_only_their_own_calls(tiny_tok):
+    """SystemExit and KeyboardInterrupt raised by a tool are its failure, an observation like any other;
+    a batched search that raises, hangs past its limit or answers wrongly fails its own calls only."""
+    def raiser(exc):
+        def call(args):
+            raise exc
+        return call
+
+    hang = threading.Event()
+    searches = {"raises": raiser(KeyboardInterrupt()), "hangs": lambda args: (hang.wait(), ["x"] * len(args))[1],
+                "miscounts": lambda args: ["x"], "says none": lambda args: None}
+    tools = [Tool("exit", "", {"type": "object"}, raiser(SystemExit(3))), Tool("interrupt", "", {"type": "object"}, raiser(KeyboardInterrupt())),
+             calculator_tool()] + [Tool(name, "", {"type": "object"}, None, call_batch=batch) for name, batch in searches.items()]
+    env = ToolEnv(tools, tiny_tok, timeout_s=0.05)
+    try:
+        calls = [ToolCall("exit", {}), ToolCall("interrupt", {}), ToolCall("calculator", {"expression": "1+1"})]
+        env.run(calls)
+        assert [(c.result, c.error) for c in calls] == [("Error: tool exit failed: SystemExit: 3", True),
+                                                         ("Error: tool interrupt failed: KeyboardInterrupt", True), ("2", False)]
+        for name, why in [("raises", "failed: KeyboardInterrupt"), ("hangs", "timed out after 0.05s"),
+                          ("miscounts", "returned 1 results for 2 calls"), ("says none", "returned a NoneType for 2 calls")]:
+            calls = [ToolCall(name, {}), ToolCall("calculator", {"expression": "6*7"}), ToolCall(name, {})]
+            env.start(calls).result(timeout=5)  # the background workers, as the rollout runs tools
+            assert calls[1].result == "42" and not calls[1].error, name
+            assert calls[0].error and calls[2].error and why in calls[0].result and calls[0].result == calls[2].result, name
+    finally:
+        hang.set()
+
+
+def test_a_real_ctrl_c_still_stops_a_run(tiny_tok):
+    """A KeyboardInterrupt a tool raises is caught in the tool's thread; a SIGINT goes to the main
+    thread, which runs no tool and catches nothing: it stops the run at once."""
+    release = threading.Event()
+    env = ToolEnv([Tool("hangs", "", {"type": "object"}, lambda args: (release.wait(), "back")[1])], tiny_tok, timeout_s=30)
+    ctrl_c = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
+    start = time.perf_counter()
+    try:
+        ctrl_c.start()
+        with pytest.raises(KeyboardInterrupt):
+            env.run([ToolCall("hangs", {})])
+    finally:
+        ctrl_c.join()
+        release.set()
+    assert time.perf_counter() - start < 10
+
+
+def test_a_hanging_tool_holds_a_bounded_number_of_threads(tiny_tok):
+    """Calls abandoned at their time limit cannot be killed: while max_abandoned of a tool's calls are still
+    running, its new calls fail at once rather than start more threads; once they end, it serves again."""
+    release = threading.Event()
+    hangs = Tool("hangs", "Never answers until released.", {"type": "object"}, lambda args: (release.wait(), "back")[1])
+    env = ToolEnv([hangs, calculator_tool()], tiny_tok, timeout_s=0.05, max_abandoned=3)
+    before = threading.active_count()
+    try:
+        for step in range(50):
+            calls = env.run([ToolCall("hangs", {}), ToolCall("calculator", {"expression": "2*3"})])
+            assert calls[1].result == "6" and calls[0].error
+            assert threading.active_count() <= before + env.max_abandoned, step
+        assert calls[0].result == "Error: tool hangs is not answering: 3 earlier calls are still running past the time limit of 0.05s."
+    finally:
+        release.set()
+    deadline = time.time() + 5
+    while threading.active_count() > before and time.time() < deadline:
+        time.sleep(0.01)
+    env.timeout_s = 5.0
+    assert env.run([ToolCall("hangs", {})])[0].result == "back"
+
+
+def test_truncation_keeps_the_token_budget_in_place(tok):
+    """A truncated result costs at most max_obs_tokens tokens where it lands, in the observation (merges
+    span its edges: ".\n" is one Qwen token), and is a prefix of whole characters: no U+FFFD, even where
+    a character is several tokens (emoji, rare CJK, combining marks)."""
+    messages = [{"role": "user", "content": "q"}]
+    content = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+
+    def cost(env, results):
+        return len(env.observation_ids(messages, content, results)[0]) - len(env.observation_ids(messages, content, [""] * len(results))[0])
+
+    rng = random.Random(0)
+    pieces = list("ab .,!\n\t东京😀é́𓀀\u200d👩‍💻x1") + ["...", " \n", ".\n", "東京都の天気は晴れです。", " passage"]
+    for budget in [64, 20]:
+        env = ToolEnv([], tok, max_obs_tokens=budget)
+        assert env.truncate("short") == "short"
+        for _ in range(20):
+            text = "".join(rng.choice(pieces) for _ in range(rng.randint(20, 120)))
+            cut = env.truncate(text)
+            assert "\ufffd" not in cut and (cut == text or (cut.endswith(TRUNCATION_MARK) and text.startswith(cut[:-len(TRUNCATION_MARK)])))
+            assert cost(env, [cut]) <= budget, (budget, cut)
+            assert cut == text or cost(env, [cut]) > budget - 8  # not much shorter than it may be
+        assert cost(env, [cut, env.truncate(" ".join(["passage."] * 200)), cut]) <= 3 * budget
 
 
 def test_batched_search_over_real_faiss_and_minilm(tiny_tok):

@@ -94,6 +94,7 @@ class TrainConfig:
     dtype: Literal["bfloat16", "float32"] = opt("bfloat16", "compute dtype of policy, critic and reference (fp32 master weights and gradient reduction); the same on CPU and GPU")
     activation_checkpointing: bool = opt(True, "recompute activations in the backward pass")
     save_every: int = opt(50, "checkpoint every N steps (0: only at the end and on SIGTERM)")
+    keep_last: int = opt(2, "complete checkpoints kept in run_dir (0: all); older ones are deleted once a new one is complete")
     tool_call_reward: float = opt(0.0, "process reward on the last token of each turn whose tool calls all succeeded")
     warm_start_steps: int = opt(0, "imitation steps on the task's scripted demonstrations before RL (0: none)")
     warm_start_lr: float = opt(1e-3, "learning rate of the imitation warm start")
@@ -126,7 +127,7 @@ class Config:
     steps: int = opt(200, "training steps (one rollout batch each)")
     run_dir: str = opt("out/run", "checkpoints, metrics.jsonl, config.json, the HF export")
     seed: int = opt(0, "seed of data order, sampling and initialisation")
-    resume: str = opt("auto", "auto: continue from the latest checkpoint in run_dir; never: start fresh")
+    resume: str = opt("auto", "auto: continue from the latest complete checkpoint in run_dir; never: start fresh (a used run_dir is moved aside to <run_dir>.old-<time>)")
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
@@ -288,6 +289,7 @@ def validate(cfg):
     need(cfg.train.micro_batch_tokens >= 1, "train.micro_batch_tokens must be >= 1")
     need(cfg.train.grad_clip > 0, "train.grad_clip must be > 0")
     need(cfg.train.tis_cap >= 1, "train.tis_cap must be >= 1")
+    need(cfg.train.keep_last >= 0, f"train.keep_last={cfg.train.keep_last}: must be >= 0 (0 keeps every checkpoint)")
     need(cfg.resume in ("auto", "never"), f"resume={cfg.resume!r}: valid: auto, never")
     need(not (cfg.algo == "grpo" and cfg.train.kl_mode == "reward"),
          "algo=grpo with train.kl_mode=reward: GRPO divides each group's scores by their std, so in a group whose outcome "

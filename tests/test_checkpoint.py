@@ -29,10 +29,10 @@ from test_train import QUICK, ROOT, free_port, train
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from nanoagent.checkpoint import (CheckpointError, check_resume, export_hf, latest_checkpoint, load_checkpoint, load_latest, save_checkpoint,
+from nanoagent.checkpoint import (CHANGEABLE, CheckpointError, check_resume, export_hf, latest_checkpoint, load_checkpoint, load_latest, save_checkpoint,
                                   start_fresh, verify_export)
 from nanoagent.common import MetricsLog
-from nanoagent.config import ConfigError, make_config, to_dict
+from nanoagent.config import ConfigError, all_keys, make_config, to_dict
 
 DRIVER = os.path.join(ROOT, "tests", "save_driver.py")
 CONFIG = to_dict(make_config("tiny"))
@@ -277,6 +277,16 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(damage, tmp_pa
         load_latest(str(run_dir), {"policy": model}, {"policy": optimizer})
 
 
+@pytest.mark.slow
+def test_ranks_fall_back_together(tmp_path, tiny_model_dir):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           os.path.join(ROOT, "tests", "load_fallback.py"), str(tmp_path / "run"), tiny_model_dir]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert sorted(re.findall(r"rank \d resumed .*", proc.stdout)) == ["rank 0 resumed 1 {'step': 1}", "rank 1 resumed 1 {'step': 1}"]
+    assert "step_000002 does not load: rank 1: JSONDecodeError" in proc.stdout
+
+
 def test_only_checkpoints_with_their_marker_count_and_keep_last_prunes(tmp_path, tiny_model_dir, world_of_one):
     model, optimizer = build(tiny_model_dir)
     run_dir = tmp_path / "run"
@@ -337,6 +347,7 @@ def test_resume_refuses_what_cannot_change_and_lists_what_does(tmp_path, tiny_mo
     run_dir = tmp_path / "run"
     save_steps(run_dir, model, optimizer, [1, 2])  # CONFIG: the tiny preset, steps=20
     path = latest_checkpoint(str(run_dir))
+    assert CHANGEABLE < set(all_keys())  # no typo
     assert check_resume(path, make_config("tiny")) == []
     changed = check_resume(path, make_config("tiny", ["steps=40", "train.lr=3e-5", "eval.every=5", "train.keep_last=0"]))
     assert changed == ["steps: 20 -> 40", "train.lr: 0.0001 -> 3e-05", "train.keep_last: 2 -> 0", "eval.every: 0 -> 5"]

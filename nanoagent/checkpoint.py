@@ -273,7 +273,8 @@ class _CheckedReader(dcp.FileSystemReader):
     """DCP's reader, with its `.metadata` pickle unpickled first with only the globals it is made of."""
 
     def read_metadata(self, *args, **kwargs):
-        with open(os.path.join(self.path, ".metadata"), "rb") as f:
+        rank = kwargs.get("rank")  # DCP falls back to a rank's own metadata file when the global one does not load
+        with open(os.path.join(self.path, ".metadata" if rank is None else f"__{rank}.metadata"), "rb") as f:
             _MetadataUnpickler(f).load()
         return super().read_metadata(*args, **kwargs)
 

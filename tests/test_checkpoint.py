@@ -1,10 +1,15 @@
 """
-Checkpoints and the Hugging Face export under SIGKILL, and the export's tensor-by-tensor check.
+Checkpoints and the Hugging Face export under SIGKILL, and the export's tensor-by-tensor check;
+what a resume may and may not take from a checkpoint.
 
 A save replaces its folder atomically (write `.tmp`, move the old one to `.old`, rename, delete
 `.old`), so whatever instant a kill lands on, a complete copy survives and the readers find it:
-random kills of a process that saves over and over (tests/save_driver.py), every leftover a kill
-can leave, and a real trainer run killed while it writes a checkpoint, then resumed.
+random kills of a process that loads and saves over and over (tests/save_driver.py), every leftover
+a kill can leave, and a real trainer run killed while it writes a checkpoint, then resumed. A
+checkpoint counts once its marker is there; a damaged one falls back to the previous one on every
+rank together; a pickle in a checkpoint is refused, not run; keep_last prunes; a fresh start moves
+the old run aside; a resume refuses a change of what the checkpoint is made of; metrics.jsonl holds
+each step once.
 """
 
 import json

@@ -37,7 +37,7 @@ from transformers import AutoTokenizer
 
 from nanoagent import rl
 from nanoagent.agent import rollout_metrics, run_agent, scripted_trajectories
-from nanoagent.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+from nanoagent.checkpoint import check_resume, export_hf, latest_checkpoint, load_latest, save_checkpoint, start_fresh
 from nanoagent.common import MetricsLog, all_reduce, init_distributed, print0, reduce_metrics, resolve_model, seed_everything
 from nanoagent.config import ConfigError, format_config, make_config, reference, save_config, to_dict
 from nanoagent.data import check_prompts, fit_prompts, step_prompts
@@ -125,6 +125,15 @@ def global_counts(batch, rows):
 def get_lr(step, base_lr, warmup_steps):
     """The learning rate at a training step: a linear warm-up over the first warmup_steps, then constant."""
     return base_lr * min(1.0, (step + 1) / max(1, warmup_steps))
+
+
+def set_hyperparameters(optimizers, step, cfg):
+    """The optimizers' learning rate and weight decay at a step, from the config in effect: a resumed
+    optimizer comes back with the values it was saved with."""
+    for name, optimizer in optimizers.items():
+        for group in optimizer.param_groups:
+            group["lr"] = get_lr(step, cfg.train.lr if name == "policy" else cfg.ppo.critic_lr, cfg.train.warmup_steps)
+            group["weight_decay"] = cfg.train.weight_decay
 
 
 def optimizer_step(model, optimizer, loss_sum, grad_clip):
@@ -307,11 +316,17 @@ def main(argv=None):
     if per_rank * world != cfg.rollout.prompts_per_step or cfg.ppo.mini_batch_size % world:
         raise ConfigError(f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) and ppo.mini_batch_size "
                           f"({cfg.ppo.mini_batch_size}) must be multiples of the number of ranks ({world})")
+    # resume=never starts a new run (a used run_dir is moved aside); resume=auto continues from the latest
+    # complete checkpoint, with this command line's config where a key may change (checkpoint.CHANGEABLE)
+    if cfg.resume == "never" and (aside := start_fresh(cfg.run_dir)):
+        print0(f"resume=never: the run in {cfg.run_dir} was moved aside to {aside}")
+    checkpoint = latest_checkpoint(cfg.run_dir) if cfg.resume == "auto" else None
+    for change in check_resume(checkpoint, cfg) if checkpoint else []:
+        print0(f"resume changes {change}")
     os.makedirs(cfg.run_dir, exist_ok=True)
     if rank == 0:
-        save_config(cfg, os.path.join(cfg.run_dir, "config.json"))
+        save_config(cfg, os.path.join(cfg.run_dir, "config.json"))  # the config in effect
     print0(format_config(cfg))
-    log = MetricsLog(cfg.run_dir, to_dict(cfg), cfg.log.wandb, cfg.log.wandb_project)
 
     # the task, the models, the rollout engine (colocated in this process)
     task, tokenizer = load_task(cfg.data.task), AutoTokenizer.from_pretrained(model_path)
@@ -323,15 +338,15 @@ def main(argv=None):
     sampling = SamplingConfig(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p)
 
     # resume, or warm start by imitation; then the engine gets the policy's weights
-    start_step, checkpoint = 0, latest_checkpoint(cfg.run_dir) if cfg.resume == "auto" else None
+    checkpoint, start_step, _ = load_latest(cfg.run_dir, models, optimizers) if cfg.resume == "auto" else (None, 0, None)
     if checkpoint:
-        start_step, _ = load_checkpoint(checkpoint, models, optimizers)
         print0(f"resumed from {checkpoint} at step {start_step}")
     elif cfg.train.warm_start_steps:
         if task.demonstration is None:
             raise ConfigError(f"train.warm_start_steps > 0 but data.task={cfg.data.task} has no demonstrations")
         imitate(policy, env, train_rows, task.demonstration, cfg, rank, world, device)
     engine.load_weights(full_tensors(policy))
+    log = MetricsLog(cfg.run_dir, start_step if checkpoint else None, to_dict(cfg), cfg.log.wandb, cfg.log.wandb_project)
     if cfg.eval.every and start_step == 0:  # where RL starts from
         metrics = {"step": 0, **evaluate(engine, env, task, val_rows, cfg, rank, world)}
         print0("step    0 | " + " | ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k != "step"))
@@ -345,15 +360,14 @@ def main(argv=None):
     saved_step = start_step if checkpoint else None
 
     def save(step):
-        path = save_checkpoint(cfg.run_dir, step, models, optimizers, {"data_position": step * cfg.rollout.prompts_per_step})
+        path = save_checkpoint(cfg.run_dir, step, models, optimizers, {"data_position": step * cfg.rollout.prompts_per_step},
+                               to_dict(cfg), cfg.train.keep_last)
         print0(f"checkpoint: {path}")
         return step
 
     for step in range(start_step, cfg.steps):
         t0 = time.perf_counter()
-        for name, optimizer in optimizers.items():
-            for group in optimizer.param_groups:
-                group["lr"] = get_lr(step, cfg.train.lr if name == "policy" else cfg.ppo.critic_lr, cfg.train.warmup_steps)
+        set_hyperparameters(optimizers, step, cfg)
         # 1. rollout: G samples of each of this rank's prompts, multi-turn with tools
         prompts = step_prompts(train_rows, step, per_rank, rank, world, cfg.seed, cfg.data.shuffle)
         engine.wake()

@@ -2,8 +2,22 @@
 Checkpoints: sharded for exact resume, and a Hugging Face export for chat.py / rollout.py / vLLM.
 
 Sharded: torch.distributed.checkpoint (DCP) writes each rank's shards of the policy, the critic and
-their optimizers in parallel; a small per-rank file holds the step, the data position and the RNG
-states (the learning rate is a function of the step). resume=auto takes the highest complete step.
+their optimizers in parallel; a small per-rank JSON file holds the step, the data position and the
+RNG states (the learning rate is a function of the step), and `config.json` the run's config, so a
+resume can say what changed. Loading reads only plain data, because a checkpoint folder may come
+from elsewhere and unpickling runs code: our files are JSON, and the two pickles DCP itself reads
+(its `.metadata`, and small non-tensor values such as the optimizer's hyperparameters) are first
+unpickled by an allow-list (the metadata's own classes; torch.load's weights_only) that refuses
+anything else.
+
+A checkpoint is complete when it holds its marker `COMPLETE` (its step and world size), written
+only after every file of it was fsynced: readers take nothing else, so a crash of the machine that
+loses unsynced data cannot leave a folder that looks complete. A complete checkpoint can still
+fail to load (a disk that corrupts a shard, a file truncated by hand): load_latest then falls back to
+the previous complete one and says why; every rank takes the same decision, because loading is
+collective. Only the `train.keep_last` newest complete checkpoints are kept (a 3B model with AdamW
+in fp32 is ~36 GB per model per checkpoint); older ones are deleted only once the new one is
+complete.
 
 Every save (a checkpoint `checkpoints/step_XXXXXX`, the export `hf`) replaces its folder so that a
 kill at any instant leaves one complete copy: it is written into `<folder>.tmp`, an existing
@@ -12,7 +26,13 @@ kill at any instant leaves one complete copy: it is written into `<folder>.tmp`,
 run_dir), and deleting it before the new one is in place would lose it to a kill. A folder cannot
 be swapped with another in one portable step, so between the two renames the complete copy is
 `<folder>.old`: latest_checkpoint takes it from there, and the next save or export renames it back.
-`.tmp` folders are partial (or never checked) and are ignored, then deleted by the next save.
+`.tmp` folders are partial (or never checked, or being pruned) and are ignored, then deleted by the
+next save.
+
+A fresh start (resume=never) into a run_dir that holds a run moves that run aside to
+`<run_dir>.old-<time>` rather than refusing or deleting it: nothing of it can then be adopted by a
+later resume=auto (its step, its weights, its metrics), rerunning a command with resume=never just
+works (make demo), and the old run, maybe days of GPU time, is still there to look at or delete.
 
 Export: the full policy gathered to rank 0 and cast to the training dtype (the weights the trainer
 computes with, not the fp32 master copy), saved with save_pretrained (safetensors) with the
@@ -21,10 +41,14 @@ bitwise, before it replaces the previous export: an export that loads but holds 
 must not pass silently.
 """
 
+import io
+import json
 import os
+import pickle
 import random
 import re
 import shutil
+import time
 
 import numpy as np
 import torch
@@ -32,9 +56,61 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from transformers import AutoModelForCausalLM
 
+from nanoagent.common import print0
+from nanoagent.config import ConfigError, to_dict
+
 STEP_DIR = re.compile(r"^step_(\d{6})(\.old)?$")
+MARKER = "COMPLETE"
+
+# Config keys a resumed run may change: they steer what happens from the next step on. Every other
+# key is fixed by the checkpoint, and a resume that changes one is refused: the weights and the
+# optimizer state belong to the model and the algorithm (the critic), and the data position and
+# every seed assume the same task, prompts, order and batch shapes (seed, data.*, prompts_per_step,
+# group_size, mini_batch_size). A key added to Config is fixed until it is listed here.
+CHANGEABLE = {
+    "steps", "run_dir", "resume",
+    "data.val_path", "data.index_dir", "data.num_val",
+    "rollout.engine", "rollout.temperature", "rollout.top_p", "rollout.max_turns", "rollout.max_new_tokens",
+    "rollout.max_context_tokens", "rollout.max_obs_tokens", "rollout.tool_timeout_s", "rollout.search_top_k", "rollout.dtype",
+    "rollout.gpu_memory_utilization",
+    "ppo.gamma", "ppo.lam", "ppo.clip_low", "ppo.clip_high", "ppo.clip_dual", "ppo.value_clip", "ppo.epochs", "ppo.critic_lr",
+    "ppo.critic_warmup_steps", "ppo.whiten_advantages",
+    "grpo.scale_by_std", "grpo.eps", "grpo.drop_uniform_groups",
+    "train.lr", "train.weight_decay", "train.warmup_steps", "train.grad_clip", "train.micro_batch_tokens", "train.loss_agg",
+    "train.kl_mode", "train.kl_coef", "train.entropy_coef", "train.tis", "train.tis_cap", "train.overlong_filter", "train.dtype",
+    "train.activation_checkpointing", "train.save_every", "train.keep_last", "train.tool_call_reward", "train.warm_start_steps",
+    "train.warm_start_lr",
+    "reward.metric", "reward.answer_weight", "reward.format_weight", "reward.require_think",
+    "eval.every", "eval.num_prompts", "log.wandb", "log.wandb_project",
+}
+
+
+class CheckpointError(RuntimeError):
+    """A complete checkpoint that cannot be loaded (a corrupt or truncated file)."""
+
+
+def _fsync(path):
+    """Flush a file, or a folder's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_json(path):
+    with open(path) as f:
+        return json.load(f)
 
 
 def _restore(folder):
@@ -48,40 +124,77 @@ def _restore(folder):
 
 
 def _move_into_place(folder):
-    """Replace `folder` with the complete `folder.tmp`; the previous `folder` is deleted last."""
+    """Replace `folder` with the complete (and synced) `folder.tmp`; the previous `folder` is deleted last."""
     if os.path.exists(folder):
         os.rename(folder, folder + ".old")
     os.rename(folder + ".tmp", folder)
+    _fsync(os.path.dirname(folder))
     shutil.rmtree(folder + ".old", ignore_errors=True)
 
 
-def latest_checkpoint(run_dir):
-    """The folder of the highest complete checkpoint in run_dir, or None: `step_N`, or `step_N.old`
-    when a save was killed between its two renames (then `step_N` is missing)."""
+def complete_checkpoints(run_dir):
+    """The complete checkpoints in run_dir, newest first: folders with their marker, `step_N`, or
+    `step_N.old` when a save was killed between its two renames (then `step_N` is missing)."""
     folder = os.path.join(run_dir, "checkpoints")
     names = set(os.listdir(folder)) if os.path.isdir(folder) else set()
     complete = []
     for name in names:
         match = STEP_DIR.match(name)
-        if match and not (match.group(2) and name.removesuffix(".old") in names):
+        if match and not (match.group(2) and name.removesuffix(".old") in names) and os.path.exists(os.path.join(folder, name, MARKER)):
             complete.append((int(match.group(1)), name))
-    return os.path.join(folder, max(complete)[1]) if complete else None
+    return [os.path.join(folder, name) for _, name in sorted(complete, reverse=True)]
+
+
+def latest_checkpoint(run_dir):
+    """The folder of the highest complete checkpoint in run_dir, or None."""
+    return next(iter(complete_checkpoints(run_dir)), None)
+
+
+def _prune(run_dir, keep_last):
+    """Delete all but the keep_last newest complete checkpoints (0: keep all). Each is first renamed
+    to `.tmp`, so a kill while it is deleted leaves no folder that looks complete."""
+    for path in complete_checkpoints(run_dir)[keep_last:] if keep_last else []:
+        os.rename(path, path.removesuffix(".old") + ".tmp")
+        shutil.rmtree(path.removesuffix(".old") + ".tmp")
+
+
+def start_fresh(run_dir):
+    """resume=never: a run_dir that holds anything is moved aside to `<run_dir>.old-<time>` by rank
+    0 (see the module docstring); returns where to, or None. Collective."""
+    run_dir, aside = os.path.normpath(run_dir), None
+    if dist.get_rank() == 0 and os.path.isdir(run_dir) and os.listdir(run_dir):
+        stamp, n = time.strftime("%Y%m%d-%H%M%S"), 0
+        aside = f"{run_dir}.old-{stamp}"
+        while os.path.exists(aside):
+            n += 1
+            aside = f"{run_dir}.old-{stamp}-{n}"
+        os.rename(run_dir, aside)
+    dist.barrier()
+    return aside
 
 
 def _rng_state():
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """The RNG states as plain JSON data."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": [version, list(internal), gauss], "numpy": [name, keys.tolist(), pos, has_gauss, cached],
+            "torch": torch.get_rng_state().tolist()}
 
 
 def _set_rng_state(state):
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
 
 
-def save_checkpoint(run_dir, step, models, optimizers, extra):
+def save_checkpoint(run_dir, step, models, optimizers, extra, config, keep_last=0):
     """
     models / optimizers: dicts by name ("policy", "critic"); optimizers[name] belongs to
-    models[name]. extra: small picklable state (data position, ...). Collective: all ranks call.
+    models[name]. extra: small JSON-able state (data position, ...). config: the run's config as a
+    dict (to_dict), saved with the checkpoint so a resume can compare. keep_last: complete
+    checkpoints kept (0: all). Collective: all ranks call.
     """
     rank = dist.get_rank()
     folder = os.path.join(run_dir, "checkpoints")
@@ -98,31 +211,139 @@ def save_checkpoint(run_dir, step, models, optimizers, extra):
     for name, model in models.items():
         state[f"{name}/model"] = get_model_state_dict(model)
         state[f"{name}/optim"] = get_optimizer_state_dict(model, optimizers[name])
-    dcp.save(state, checkpoint_id=final + ".tmp")
-    torch.save({"step": step, "extra": extra, "rng": _rng_state()}, os.path.join(final + ".tmp", f"rank{rank}.pt"))
+    dcp.save(state, checkpoint_id=final + ".tmp")  # each rank fsyncs the files it writes (DCP's sync_files)
+    _write_json(os.path.join(final + ".tmp", f"rank{rank}.json"), {"step": step, "extra": extra, "rng": _rng_state()})
     dist.barrier()
     if rank == 0:
+        _write_json(os.path.join(final + ".tmp", "config.json"), config)
+        _fsync(final + ".tmp")  # every file's entry, before the marker says they are there
+        _write_json(os.path.join(final + ".tmp", MARKER), {"step": step, "world_size": dist.get_world_size()})
+        _fsync(final + ".tmp")
         _move_into_place(final)
+        _prune(run_dir, keep_last)
     dist.barrier()
     return final
 
 
+def check_resume(path, cfg):
+    """
+    Before resuming from the checkpoint at `path` with the config cfg: refuse (ConfigError) a
+    checkpoint beyond cfg.steps, another world size, or a change of a key that is not CHANGEABLE,
+    naming them all; return the changes that apply, as "key: old -> new" lines.
+    """
+    marker = _read_json(os.path.join(path, MARKER))
+    if marker["step"] > cfg.steps:
+        raise ConfigError(f"{path} is at step {marker['step']}, beyond steps={cfg.steps}: resume with steps >= {marker['step']}, "
+                          f"or start a new run with resume=never (the old one is moved aside) or another run_dir")
+    if marker["world_size"] != dist.get_world_size():
+        raise ConfigError(f"{path} was written by {marker['world_size']} ranks and this run has {dist.get_world_size()}: the data "
+                          "position and the RNG states are per rank; resume with the same number of ranks")
+    saved, current = _flatten(_read_json(os.path.join(path, "config.json"))), _flatten(to_dict(cfg))
+    changes = [(key, saved.get(key), value) for key, value in current.items() if saved.get(key) != value]
+    fixed = [f"{key}: {old!r} -> {new!r}" for key, old, new in changes if key not in CHANGEABLE]
+    if fixed:
+        raise ConfigError(f"{path} cannot be resumed with these changes: {'; '.join(fixed)}. The checkpoint's weights, optimizer "
+                          "state and data position belong to its model, algorithm, data and batch shapes; start a new run "
+                          "(resume=never moves the old one aside, or another run_dir)")
+    return [f"{key}: {old!r} -> {new!r}" for key, old, new in changes]
+
+
+def _flatten(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        out.update(_flatten(v, prefix + k + ".") if isinstance(v, dict) else {prefix + k: v})
+    return out
+
+
+# The globals of DCP's `.metadata` pickle (torch 2.x): its dataclasses, torch.Size, a dtype, a layout, a path
+METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                    ("torch.distributed.checkpoint.filesystem", "_StorageInfo")} | {
+    ("torch.distributed.checkpoint.metadata", name) for name in ("Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata",
+                                                                  "BytesStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) in METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's .metadata")
+
+
+class _CheckedReader(dcp.FileSystemReader):
+    """DCP's reader, with its `.metadata` pickle unpickled first with only the globals it is made of."""
+
+    def read_metadata(self, *args, **kwargs):
+        rank = kwargs.get("rank")  # DCP falls back to a rank's own metadata file when the global one does not load
+        with open(os.path.join(self.path, ".metadata" if rank is None else f"__{rank}.metadata"), "rb") as f:
+            _MetadataUnpickler(f).load()
+        return super().read_metadata(*args, **kwargs)
+
+
+class _CheckedPlanner(DefaultLoadPlanner):
+    """DCP's load planner, with each non-tensor value torch.load-ed first with weights_only=True."""
+
+    def load_bytes(self, read_item, value):
+        torch.load(io.BytesIO(value.getvalue()), weights_only=True)
+        super().load_bytes(read_item, value)
+
+
+def _reason(e):
+    """An exception in one line: DCP's carries the failing ranks' tracebacks, whose last line says what failed."""
+    return f"{type(e).__name__}: {e}".strip().splitlines()[-1]
+
+
+def _agree(error):
+    """Every rank's error (None: none) -> the first, on every rank: a load that fails on one rank
+    fails on all, so that none waits in a collective that the others have left."""
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e), None)
+
+
 def load_checkpoint(path, models, optimizers):
-    """Restore everything save_checkpoint wrote; returns (step, extra). Collective."""
+    """Restore everything save_checkpoint wrote; returns (step, extra). Raises CheckpointError on
+    every rank when a file of it cannot be read on any rank. Collective."""
+    saved, error = None, None
+    try:
+        saved = _read_json(os.path.join(path, f"rank{dist.get_rank()}.json"))
+    except (OSError, ValueError) as e:
+        error = _reason(e)
+    if error := _agree(error):
+        raise CheckpointError(f"{path} does not load: {error}")
     state = {}
     for name, model in models.items():
         state[f"{name}/model"] = get_model_state_dict(model)
         state[f"{name}/optim"] = get_optimizer_state_dict(model, optimizers[name])
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, storage_reader=_CheckedReader(path), planner=_CheckedPlanner())
+    except (Exception, dcp.CheckpointException) as e:  # whatever a damaged or unsafe file raises (DCP's is a BaseException)
+        error = _reason(e)
+    if error := _agree(error):
+        raise CheckpointError(f"{path} does not load: {error}")
     for name, model in models.items():
         set_model_state_dict(model, state[f"{name}/model"])
         set_optimizer_state_dict(model, optimizers[name], state[f"{name}/optim"])
-    rank_file = os.path.join(path, f"rank{dist.get_rank()}.pt")
-    if not os.path.exists(rank_file):
-        raise RuntimeError(f"{path} was written by fewer ranks than this run has ({rank_file} is missing); resume with the same world size")
-    saved = torch.load(rank_file, weights_only=False)
     _set_rng_state(saved["rng"])
     return saved["step"], saved["extra"]
+
+
+def load_latest(run_dir, models, optimizers):
+    """Load the newest complete checkpoint of run_dir that loads, falling back to the previous
+    complete one (and saying why) when one does not; returns (path, step, extra), or (None, 0, None)
+    when run_dir has none. Raises when none of them loads. Collective."""
+    paths, failures = complete_checkpoints(run_dir), []
+    for i, path in enumerate(paths):
+        try:
+            step, extra = load_checkpoint(path, models, optimizers)
+        except CheckpointError as e:
+            failures.append(str(e))
+            if i + 1 < len(paths):
+                print0(f"{e}; falling back to the previous complete checkpoint, {paths[i + 1]}")
+            continue
+        return path, step, extra
+    if failures:
+        raise CheckpointError(f"no complete checkpoint in {run_dir} loads: " + "; ".join(failures))
+    return None, 0, None
 
 
 def export_hf(model, tokenizer, out_dir, dtype):
@@ -146,6 +367,9 @@ def export_hf(model, tokenizer, out_dir, dtype):
         tokenizer.save_pretrained(out_dir + ".tmp")
     verify_export(full, out_dir + ".tmp", dtype)
     if dist.get_rank() == 0:
+        for name in os.listdir(out_dir + ".tmp"):
+            _fsync(os.path.join(out_dir + ".tmp", name))
+        _fsync(out_dir + ".tmp")
         _move_into_place(out_dir)
     dist.barrier()
 

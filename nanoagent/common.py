@@ -84,11 +84,18 @@ def seed_everything(seed):
 
 
 class MetricsLog:
-    """One JSON object per line in <run_dir>/metrics.jsonl (rank 0), and wandb when asked for."""
+    """
+    One JSON object per line in <run_dir>/metrics.jsonl (rank 0), and wandb when asked for.
+    resumed_step: the step of the checkpoint the run continues from (None: a fresh start). The
+    lines logged after it by the run before (steps it will now do again, a line cut by a kill)
+    are dropped first, so that the file holds each step once; the file is rewritten atomically.
+    """
 
-    def __init__(self, run_dir, cfg_dict, use_wandb=False, project="nanoagent"):
+    def __init__(self, run_dir, resumed_step, cfg_dict, use_wandb=False, project="nanoagent"):
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.wandb = None
+        if rank() == 0:
+            self._rewind(resumed_step)
         if use_wandb and rank() == 0:
             try:
                 import wandb
@@ -96,6 +103,22 @@ class MetricsLog:
                 print0("log.wandb=true but wandb is not installed; logging to metrics.jsonl only")
             else:
                 self.wandb = wandb.init(project=project, config=cfg_dict, dir=run_dir)
+
+    def _rewind(self, resumed_step):
+        kept = []
+        if resumed_step is not None and os.path.exists(self.path):
+            with open(self.path) as f:
+                for line in f:
+                    try:
+                        if json.loads(line)["step"] <= resumed_step:
+                            kept.append(line.rstrip("\n") + "\n")
+                    except ValueError:  # the line a kill cut short
+                        pass
+        with open(self.path + ".tmp", "w") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(self.path + ".tmp", self.path)
 
     def log(self, metrics):
         if rank() != 0:

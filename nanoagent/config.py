@@ -95,6 +95,7 @@ class TrainConfig:
     dtype: Literal["bfloat16", "float32"] = opt("bfloat16", "compute dtype of policy, critic and reference (fp32 master weights and gradient reduction); the same on CPU and GPU")
     activation_checkpointing: bool = opt(True, "recompute activations in the backward pass")
     save_every: int = opt(50, "checkpoint every N steps (0: only at the end and on SIGTERM)")
+    keep_last: int = opt(2, "complete checkpoints kept in run_dir (0: all); older ones are deleted once a new one is complete")
     tool_call_reward: float = opt(0.0, "process reward on the last token of each turn whose tool calls all succeeded")
     warm_start_steps: int = opt(0, "imitation steps on the task's scripted demonstrations before RL (0: none)")
     warm_start_lr: float = opt(1e-3, "learning rate of the imitation warm start")
@@ -127,7 +128,7 @@ class Config:
     steps: int = opt(200, "training steps (one rollout batch each)")
     run_dir: str = opt("out/run", "checkpoints, metrics.jsonl, config.json, the HF export")
     seed: int = opt(0, "seed of data order, sampling and initialisation")
-    resume: str = opt("auto", "auto: continue from the latest checkpoint in run_dir; never: start fresh")
+    resume: str = opt("auto", "auto: continue from the latest complete checkpoint in run_dir; never: start fresh (a used run_dir is moved aside to <run_dir>.old-<time>)")
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
@@ -288,7 +289,7 @@ def validate(cfg):
              "rollout.tensor_parallel_size", "ppo.epochs", "ppo.mini_batch_size", "train.micro_batch_tokens", "train.tis_cap",
              "eval.num_prompts")
     at_least(0, "steps", "seed", "ppo.clip_low", "ppo.clip_high", "ppo.critic_lr", "ppo.critic_warmup_steps", "grpo.eps", "train.lr",
-             "train.weight_decay", "train.warmup_steps", "train.kl_coef", "train.save_every", "train.warm_start_steps",
+             "train.weight_decay", "train.warmup_steps", "train.kl_coef", "train.save_every", "train.keep_last", "train.warm_start_steps",
              "train.warm_start_lr", "reward.answer_weight", "reward.format_weight", "eval.every")
     above(0, "rollout.tool_timeout_s", "ppo.value_clip", "train.grad_clip")
     above(1, "ppo.clip_dual")

@@ -20,15 +20,15 @@ nanoagent.model.shard) after k AdamW steps with fixed gradients and a learning r
 RNGs seeded with k. So a resumed state can be checked exactly, against a replay from step 0.
 
 A life:
-  1. resume from latest_checkpoint, if any, and check that model, optimizer, RNGs and
-     extra state are exactly those of its step S (0: nothing to resume);
+  1. resume from latest_checkpoint, if any (the test kills some loads too), and check that model,
+     optimizer, RNGs and extra state are exactly those of its step S (0: nothing to resume);
   2. check that the export, if any, loads and holds the weights of a step <= S (in bf16);
   3. save step S again and export it (replacing complete folders: what rmtree-then-rename lost),
      then step forward STEPS times, saving and exporting each step.
 
 Lines on stdout: `pid P`, `resumed S`, `export hf K` (the step the export holds; `export hf.old K`
-when only the copy moved aside is there, `export none`), `begin checkpoint|export K`,
-`end checkpoint|export K SECONDS`, and from this parent process `exit CODE` when the child ends
+when only the copy moved aside is there, `export none`), `begin load|checkpoint|export K`,
+`end load|checkpoint|export K SECONDS`, and from this parent process `exit CODE` when the child ends
 (CODE -9: killed). A failed check is a traceback and `exit 1`.
 """
 
@@ -112,7 +112,10 @@ def check_resume(run_dir, model_dir, model, optimizer):
     checkpoint = latest_checkpoint(run_dir)
     start = 0
     if checkpoint:
+        print(f"begin load {os.path.basename(checkpoint)}", flush=True)
+        t0 = time.perf_counter()
         start, extra = load_checkpoint(checkpoint, {"policy": model}, {"policy": optimizer})
+        print(f"end load {start} {time.perf_counter() - t0:.4f}", flush=True)
         draws = (random.random(), np.random.rand(), torch.rand(1).item())
         seed(start)
         if draws != (random.random(), np.random.rand(), torch.rand(1).item()) or extra != {"step": start}:
@@ -153,7 +156,7 @@ def life(run_dir, model_dir, steps):
             advance(model, optimizer, step)
         print(f"begin checkpoint {step}", flush=True)
         t0 = time.perf_counter()
-        checkpoint = save_checkpoint(run_dir, step, {"policy": model}, {"policy": optimizer}, {"step": step})
+        checkpoint = save_checkpoint(run_dir, step, {"policy": model}, {"policy": optimizer}, {"step": step}, {"driver": "save_driver"})
         print(f"end checkpoint {step} {time.perf_counter() - t0:.4f}", flush=True)
         add_ballast(checkpoint)
         print(f"begin export {step}", flush=True)

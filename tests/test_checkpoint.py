@@ -1,10 +1,15 @@
 """
-Checkpoints and the Hugging Face export under SIGKILL, and the export's tensor-by-tensor check.
+Checkpoints and the Hugging Face export under SIGKILL, and the export's tensor-by-tensor check;
+what a resume may and may not take from a checkpoint.
 
 A save replaces its folder atomically (write `.tmp`, move the old one to `.old`, rename, delete
 `.old`), so whatever instant a kill lands on, a complete copy survives and the readers find it:
-random kills of a process that saves over and over (tests/save_driver.py), every leftover a kill
-can leave, and a real trainer run killed while it writes a checkpoint, then resumed.
+random kills of a process that loads and saves over and over (tests/save_driver.py), every leftover
+a kill can leave, and a real trainer run killed while it writes a checkpoint, then resumed. A
+checkpoint counts once its marker is there; a damaged one falls back to the previous one on every
+rank together; a pickle in a checkpoint is refused, not run; keep_last prunes; a fresh start moves
+the old run aside; a resume refuses a change of what the checkpoint is made of; metrics.jsonl holds
+each step once.
 """
 
 import json
@@ -24,14 +29,18 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
-from save_driver import advance, build, full_state
+from save_driver import advance, build, first_difference, full_state
 from test_train import QUICK, ROOT, free_port, train
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from nanoagent.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint, verify_export
+from nanoagent.checkpoint import (CHANGEABLE, CheckpointError, check_resume, export_hf, latest_checkpoint, load_checkpoint, load_latest, save_checkpoint,
+                                  start_fresh, verify_export)
+from nanoagent.common import MetricsLog
+from nanoagent.config import ConfigError, all_keys, make_config, to_dict
 
 DRIVER = os.path.join(ROOT, "tests", "save_driver.py")
+CONFIG = to_dict(make_config("tiny"))
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +64,13 @@ def test_saves_survive_kill_9_at_random_moments(tmp_path, tiny_model_dir):
             lines.put(line)
         lines.put("eof")
     threading.Thread(target=read, daemon=True).start()
-    durations = {"checkpoint": [], "export": []}
+    durations = {"load": [], "checkpoint": [], "export": []}
     completed = {"checkpoint": 0, "export": 0}  # the highest step whose save returned
     resumed, exports = [], {"hf": 0, "hf.old": 0, "none": 0}  # what the lives found
 
     def life(steps, kill=None):
         """One child of the driver; kill=(k, fraction): SIGKILL it `fraction` of the typical duration
-        after its k-th save begins. Asserts on what it found left by the lives before. Returns its exit code."""
+        after its k-th load or save begins. Asserts on what it found left by the lives before. Returns its exit code."""
         driver.stdin.write(f"life {steps}\n")
         driver.stdin.flush()
         begun = 0
@@ -84,7 +93,8 @@ def test_saves_survive_kill_9_at_random_moments(tmp_path, tiny_model_dir):
                     os.kill(pid, signal.SIGKILL)
                 begun += 1
             elif word == "end":
-                completed[rest[0]] = max(completed[rest[0]], int(rest[1]))
+                if rest[0] in completed:
+                    completed[rest[0]] = max(completed[rest[0]], int(rest[1]))
                 durations[rest[0]].append(float(rest[2]))
             elif word == "exit":
                 return int(rest[0])
@@ -92,9 +102,10 @@ def test_saves_survive_kill_9_at_random_moments(tmp_path, tiny_model_dir):
     try:
         t0 = time.perf_counter()
         assert life(2) == 0, "".join(transcript)  # not killed: typical durations, and a first export
+        assert life(0) == 0, "".join(transcript)  # and of a load
         for _ in range(20):
-            # during the re-save of the step the life resumed from, its re-export, or the save of the next step
-            code = life(3, kill=(rng.randrange(3), rng.random()))
+            # during the load, the re-save of the step the life resumed from, its re-export, or the save of the next step
+            code = life(3, kill=(rng.randrange(4), rng.random()))
             assert code == -signal.SIGKILL, "".join(transcript[-40:])
         assert life(1) == 0, "".join(transcript[-40:])  # checks what the 20th kill left
         elapsed = time.perf_counter() - t0
@@ -103,8 +114,9 @@ def test_saves_survive_kill_9_at_random_moments(tmp_path, tiny_model_dir):
         driver.wait()
     assert sorted(os.listdir(run_dir)) == ["checkpoints", "hf"]
     assert all(re.fullmatch(r"step_\d{6}", name) for name in os.listdir(run_dir / "checkpoints"))
-    print(f"20 kills in {elapsed:.0f}s; resumed from steps {resumed}; the export found in {exports}; median save "
-          f"{statistics.median(durations['checkpoint']):.3f}s, export {statistics.median(durations['export']):.3f}s")
+    print(f"20 kills in {elapsed:.0f}s; resumed from steps {resumed}; the export found in {exports}; median load "
+          f"{statistics.median(durations['load']):.3f}s, save {statistics.median(durations['checkpoint']):.3f}s, "
+          f"export {statistics.median(durations['export']):.3f}s")
 
 
 def make_partial(source, target):
@@ -137,7 +149,7 @@ def test_readers_cope_with_what_a_kill_leaves(moment, tmp_path, tiny_model_dir, 
     models, optimizers = {"policy": model}, {"policy": optimizer}
     for step in (1, 2):
         advance(model, optimizer, step)
-        save_checkpoint(str(run_dir), step, models, optimizers, {"step": step})
+        save_checkpoint(str(run_dir), step, models, optimizers, {"step": step}, CONFIG)
         export_hf(model, tokenizer, str(run_dir / "hf"), torch.bfloat16)
     step2 = full_state(model, optimizer)
     advance(model, optimizer, 3)  # moves on, so that the load below must bring step 2 back
@@ -155,7 +167,7 @@ def test_readers_cope_with_what_a_kill_leaves(moment, tmp_path, tiny_model_dir, 
 
     # the next save and export put back what was moved aside and delete what is partial
     advance(model, optimizer, 3)
-    save_checkpoint(str(run_dir), 3, models, optimizers, {"step": 3})
+    save_checkpoint(str(run_dir), 3, models, optimizers, {"step": 3}, CONFIG)
     export_hf(model, tokenizer, str(run_dir / "hf"), torch.bfloat16)
     assert sorted(os.listdir(run_dir)) == ["checkpoints", "hf"]
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["step_000001", "step_000002", "step_000003"]
@@ -225,4 +237,150 @@ def test_trainer_killed_while_saving_resumes_exactly(tmp_path):
     [step3] = [m for m in metrics if m["step"] == 3]
     for k in keys:
         assert step3[k] == pytest.approx(expected[k], rel=1e-5, abs=1e-7), k
-    assert sorted(os.listdir(tmp_path / "killed" / "checkpoints")) == ["step_000001", "step_000002", "step_000003"]
+    assert sorted(os.listdir(tmp_path / "killed" / "checkpoints")) == ["step_000002", "step_000003"]  # train.keep_last=2
+    assert [m["step"] for m in metrics] == [1, 2, 3]  # the step logged before the kill, once
+
+
+def save_steps(run_dir, model, optimizer, steps, keep_last=0):
+    """Advance to each step and save it; returns the full state of each step."""
+    states = {}
+    for step in steps:
+        advance(model, optimizer, step)
+        save_checkpoint(str(run_dir), step, {"policy": model}, {"policy": optimizer}, {"step": step}, CONFIG, keep_last)
+        states[step] = full_state(model, optimizer)
+    return states
+
+
+def truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+# What can damage the newest complete checkpoint, and the reason load_latest gives for falling back
+DAMAGE = {
+    "rank file cut short": (lambda folder: truncate(folder / "rank0.json"), "JSONDecodeError"),
+    "shard cut short": (lambda folder: truncate(next(folder.glob("*.distcp"))), "RuntimeError: PytorchStreamReader failed"),
+    "metadata missing": (lambda folder: os.remove(folder / ".metadata"), "No such file"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(damage, tmp_path, tiny_model_dir, world_of_one, capsys):
+    model, optimizer = build(tiny_model_dir)
+    run_dir = tmp_path / "run"
+    states = save_steps(run_dir, model, optimizer, [1, 2])
+    apply, reason = DAMAGE[damage]
+    apply(run_dir / "checkpoints" / "step_000002")
+    advance(model, optimizer, 3)
+    assert load_latest(str(run_dir), {"policy": model}, {"policy": optimizer}) == (str(run_dir / "checkpoints" / "step_000001"), 1, {"step": 1})
+    assert first_difference(full_state(model, optimizer), states[1]) is None
+    out = capsys.readouterr().out
+    assert re.search(rf"step_000002 does not load: rank 0: .*{reason}.*; falling back to the previous complete checkpoint, .*step_000001\n", out), out
+    # and when none loads, the run stops rather than start over from scratch
+    apply(run_dir / "checkpoints" / "step_000001")
+    with pytest.raises(CheckpointError, match="no complete checkpoint in .* loads: .*step_000002.*step_000001"):
+        load_latest(str(run_dir), {"policy": model}, {"policy": optimizer})
+
+
+@pytest.mark.slow
+def test_ranks_fall_back_together(tmp_path, tiny_model_dir):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           os.path.join(ROOT, "tests", "load_fallback.py"), str(tmp_path / "run"), tiny_model_dir]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert sorted(re.findall(r"rank \d resumed .*", proc.stdout)) == ["rank 0 resumed 1 {'step': 1}", "rank 1 resumed 1 {'step': 1}"]
+    assert "step_000002 does not load: rank 1: JSONDecodeError" in proc.stdout
+
+
+def test_only_checkpoints_with_their_marker_count_and_keep_last_prunes(tmp_path, tiny_model_dir, world_of_one):
+    model, optimizer = build(tiny_model_dir)
+    run_dir = tmp_path / "run"
+    save_steps(run_dir, model, optimizer, [1, 2, 3, 4], keep_last=2)
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["step_000003", "step_000004"]
+    marker = json.load(open(run_dir / "checkpoints" / "step_000004" / "COMPLETE"))
+    assert marker == {"step": 4, "world_size": 1}
+    # a folder without its marker (files not all on disk when the machine went down) is not a checkpoint
+    os.remove(run_dir / "checkpoints" / "step_000004" / "COMPLETE")
+    assert latest_checkpoint(str(run_dir)) == str(run_dir / "checkpoints" / "step_000003")
+    save_steps(run_dir, model, optimizer, [5], keep_last=1)
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["step_000004", "step_000005"]  # pruning counts complete ones only
+    assert latest_checkpoint(str(run_dir)) == str(run_dir / "checkpoints" / "step_000005")
+
+
+class Payload:
+    """Unpickling it creates a file: what a pickle can do is run code."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+@pytest.mark.parametrize("target", ["rank0.*", ".metadata"])
+def test_a_pickle_in_a_checkpoint_is_refused_not_run(target, tmp_path, tiny_model_dir, world_of_one):
+    import pickle
+    model, optimizer = build(tiny_model_dir)
+    run_dir = tmp_path / "run"
+    save_steps(run_dir, model, optimizer, [1])
+    sentinel = tmp_path / "pwned"
+    [path] = (run_dir / "checkpoints" / "step_000001").glob(target)
+    path.write_bytes(pickle.dumps(Payload(str(sentinel))))
+    with pytest.raises(CheckpointError):
+        load_checkpoint(str(run_dir / "checkpoints" / "step_000001"), {"policy": model}, {"policy": optimizer})
+    assert not sentinel.exists()
+
+
+def test_fresh_start_moves_the_old_run_aside(tmp_path, tiny_model_dir, world_of_one):
+    model, optimizer = build(tiny_model_dir)
+    run_dir = tmp_path / "run"
+    save_steps(run_dir, model, optimizer, [1])
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    aside = start_fresh(str(run_dir))
+    assert re.fullmatch(rf"{re.escape(str(run_dir))}\.old-\d{{8}}-\d{{6}}", aside)
+    assert not run_dir.exists() and latest_checkpoint(str(run_dir)) is None  # nothing left to adopt
+    assert sorted(os.listdir(aside)) == ["checkpoints", "metrics.jsonl"]  # nothing lost
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text("{}")
+    second = start_fresh(str(run_dir))
+    assert second != aside and os.path.exists(os.path.join(second, "config.json"))
+    assert start_fresh(str(run_dir)) is None  # nothing there
+
+
+def test_resume_refuses_what_cannot_change_and_lists_what_does(tmp_path, tiny_model_dir, world_of_one):
+    model, optimizer = build(tiny_model_dir)
+    run_dir = tmp_path / "run"
+    save_steps(run_dir, model, optimizer, [1, 2])  # CONFIG: the tiny preset, steps=20
+    path = latest_checkpoint(str(run_dir))
+    assert CHANGEABLE < set(all_keys())  # no typo
+    assert check_resume(path, make_config("tiny")) == []
+    changed = check_resume(path, make_config("tiny", ["steps=40", "train.lr=3e-5", "eval.every=5", "train.keep_last=0"]))
+    assert changed == ["steps: 20 -> 40", "train.lr: 0.0001 -> 3e-05", "train.keep_last: 2 -> 0", "eval.every: 0 -> 5"]
+    with pytest.raises(ConfigError, match=r"cannot be resumed with these changes: algo: 'grpo' -> 'ppo'; rollout.group_size: 4 -> 2; "
+                                          r"ppo.mini_batch_size: 16 -> 8\."):
+        check_resume(path, make_config("tiny", ["algo=ppo", "rollout.group_size=2", "ppo.mini_batch_size=8", "train.lr=1e-3"]))
+    with pytest.raises(ConfigError, match="step_000002 is at step 2, beyond steps=1: resume with steps >= 2"):
+        check_resume(path, make_config("tiny", ["steps=1"]))
+
+
+def test_resumed_optimizer_takes_this_runs_hyperparameters(tmp_path, tiny_model_dir, world_of_one):
+    import train
+    model, optimizer = build(tiny_model_dir)
+    for group in optimizer.param_groups:
+        group["weight_decay"] = 0.5
+    save_steps(tmp_path / "run", model, optimizer, [1])
+    model, optimizer = build(tiny_model_dir)
+    load_checkpoint(latest_checkpoint(str(tmp_path / "run")), {"policy": model}, {"policy": optimizer})
+    assert optimizer.param_groups[0]["weight_decay"] == 0.5  # what the checkpoint holds
+    train.set_hyperparameters({"policy": optimizer}, 1, make_config("tiny", ["train.weight_decay=0.25", "train.lr=3e-5"]))
+    assert optimizer.param_groups[0]["weight_decay"] == 0.25 and optimizer.param_groups[0]["lr"] == 3e-5
+
+
+def test_metrics_after_a_resume_hold_each_step_once(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "reward": s / 10}) + "\n" for s in range(4)) + '{"step": 4, "rew')  # cut by a kill
+    log = MetricsLog(str(tmp_path), 2, {})  # resumed from the checkpoint of step 2
+    log.log({"step": 3, "reward": 0.0})
+    assert [json.loads(line)["step"] for line in open(path)] == [0, 1, 2, 3]
+    MetricsLog(str(tmp_path), None, {})  # a fresh start
+    assert path.read_text() == ""

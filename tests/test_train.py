@@ -92,6 +92,9 @@ def test_resume_gives_the_same_next_step(tmp_path):
     _, first = train(tmp_path / "b", *moving, "steps=2", nproc=1)
     out, resumed = train(tmp_path / "b", *moving, "steps=3", nproc=1)
     assert "resumed from" in out and "step_000002" in out and "warm start" not in out
+    assert "resume changes steps: 2 -> 3" in out  # and config.json says so, in run_dir and in the checkpoint
+    assert json.load(open(tmp_path / "b" / "config.json"))["steps"] == 3
+    assert json.load(open(tmp_path / "b" / "checkpoints" / "step_000003" / "config.json"))["steps"] == 3
     step3 = [m for m in resumed if m["step"] == 3]
     assert len(step3) == 1
     expected = [m for m in straight if m["step"] == 3][0]
@@ -101,6 +104,13 @@ def test_resume_gives_the_same_next_step(tmp_path):
     # fp32: the engine samples with exactly the trainer's weights
     assert all(m["engine_logprob_diff"] <= 1e-4 for m in straight + resumed if "engine_logprob_diff" in m)
     assert sorted(os.listdir(tmp_path / "a" / "checkpoints")) == ["step_000002", "step_000003"]
+
+    # a fresh start into the used run_dir moves the old run aside: none of it can be adopted or mixed in later
+    out, fresh = train(tmp_path / "b", *moving, "steps=1", "resume=never", nproc=1)
+    [aside] = tmp_path.glob("b.old-*")
+    assert f"moved aside to {aside}" in out and "resumed from" not in out
+    assert os.listdir(tmp_path / "b" / "checkpoints") == ["step_000001"] and [m["step"] for m in fresh] == [1]
+    assert sorted(os.listdir(aside / "checkpoints")) == ["step_000002", "step_000003"]
 
 
 def test_nan_loss_skips_the_update_and_is_logged(tmp_path):

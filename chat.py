@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 
 from nanoagent.config import ConfigError, apply_overrides, from_dict, make_config, reference
@@ -197,6 +198,9 @@ def main(argv=None):
         except ValueError as e:
             fail(str(e))
         return 0
+    # Ctrl-C leaves, even when whatever started chat.py ignores SIGINT (a shell's background job, CI):
+    # Python then keeps it ignored and never raises KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     console.print(Text.assemble(("nanoagent chat", "bold"), f" with {args.model}\ntools: {', '.join(env.tools) or 'none'}, "
                                 f"config: {config_source}; Ctrl-D or Ctrl-C leaves"), style="dim")
     while True:

@@ -347,7 +347,7 @@ def main(argv=None):
         imitate(policy, env, train_rows, task.demonstration, cfg, rank, world, device)
     engine.load_weights(full_tensors(policy))
     log = MetricsLog(cfg.run_dir, start_step if checkpoint else None, to_dict(cfg), cfg.log.wandb, cfg.log.wandb_project)
-    if cfg.eval.every and start_step == 0:  # where RL starts from
+    if cfg.eval.every and not checkpoint:  # where RL starts from (a checkpoint of step 0, after a SIGTERM, has it logged)
         metrics = {"step": 0, **evaluate(engine, env, task, val_rows, cfg, rank, world)}
         print0("step    0 | " + " | ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k != "step"))
         log.log(metrics)

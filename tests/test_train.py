@@ -139,7 +139,8 @@ def test_sigterm_checkpoints_at_the_next_safe_point_and_exits_143(tmp_path):
         assert torchrun.poll() is None, open(tmp_path / "log").read()[-3000:]
         time.sleep(0.05)
     with open(f"/proc/{torchrun.pid}/task/{torchrun.pid}/children") as f:
-        workers = [int(pid) for pid in f.read().split()]
+        workers = [int(pid) for pid in f.read().split() if "train.py" in open(f"/proc/{pid}/cmdline").read()]
+    assert len(workers) == 2
     os.kill(workers[-1], signal.SIGTERM)
     sent = time.time()
     assert torchrun.wait(timeout=120) != 0

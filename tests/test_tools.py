@@ -105,10 +105,12 @@ def test_base_exceptions_and_a_failing_batch_fail_only_their_own_calls(tiny_tok)
 
 def test_a_real_ctrl_c_still_stops_a_run(tiny_tok):
     """A KeyboardInterrupt a tool raises is caught in the tool's thread; a SIGINT goes to the main
-    thread, which runs no tool and catches nothing: it stops the run at once."""
+    thread, which runs no tool and catches nothing: it stops the run at once. (Python's own SIGINT
+    handler is put in place for the test: CI starts the tests with SIGINT ignored.)"""
     release = threading.Event()
     env = ToolEnv([Tool("hangs", "", {"type": "object"}, lambda args: (release.wait(), "back")[1])], tiny_tok, timeout_s=30)
     ctrl_c = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     start = time.perf_counter()
     try:
         ctrl_c.start()
@@ -117,6 +119,7 @@ def test_a_real_ctrl_c_still_stops_a_run(tiny_tok):
     finally:
         ctrl_c.join()
         release.set()
+        signal.signal(signal.SIGINT, handler)
     assert time.perf_counter() - start < 10
 
 

@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from transformers import AutoModelForCausalLM
 
 from nanoagent.common import print0
-from nanoagent.config import ConfigError, to_dict
+from nanoagent.config import ConfigError, flatten, to_dict
 
 STEP_DIR = re.compile(r"^step_(\d{6})(\.old)?$")
 MARKER = "COMPLETE"
@@ -238,7 +238,7 @@ def check_resume(path, cfg):
     if marker["world_size"] != dist.get_world_size():
         raise ConfigError(f"{path} was written by {marker['world_size']} ranks and this run has {dist.get_world_size()}: the data "
                           "position and the RNG states are per rank; resume with the same number of ranks")
-    saved, current = _flatten(_read_json(os.path.join(path, "config.json"))), _flatten(to_dict(cfg))
+    saved, current = flatten(_read_json(os.path.join(path, "config.json"))), flatten(to_dict(cfg))
     changes = [(key, saved.get(key), value) for key, value in current.items() if saved.get(key) != value]
     fixed = [f"{key}: {old!r} -> {new!r}" for key, old, new in changes if key not in CHANGEABLE]
     if fixed:
@@ -246,13 +246,6 @@ def check_resume(path, cfg):
                           "state and data position belong to its model, algorithm, data and batch shapes; start a new run "
                           "(resume=never moves the old one aside, or another run_dir)")
     return [f"{key}: {old!r} -> {new!r}" for key, old, new in changes]
-
-
-def _flatten(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        out.update(_flatten(v, prefix + k + ".") if isinstance(v, dict) else {prefix + k: v})
-    return out
 
 
 # The globals of DCP's `.metadata` pickle (torch 2.x): its dataclasses, torch.Size, a dtype, a layout, a path

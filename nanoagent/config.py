@@ -268,7 +268,7 @@ def validate(cfg):
     run where it is used, often many steps later), then the checks across fields; each message
     names the key, its value and what is valid.
     """
-    values = _flatten(to_dict(cfg))
+    values = flatten(to_dict(cfg))
 
     def need(ok, msg):
         if not ok:
@@ -322,22 +322,23 @@ def to_dict(cfg):
 
 def from_dict(d):
     """Rebuild a Config from to_dict's output (e.g. a run's config.json), checking every key."""
-    overrides = [f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in _flatten(d).items()]
+    overrides = [f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in flatten(d).items()]
     return apply_overrides(Config(), overrides)
 
 
-def _flatten(d, prefix=""):
+def flatten(d, prefix=""):
+    """A nested config dict -> {"group.key": value}."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, prefix + k + "."))
+            out.update(flatten(v, prefix + k + "."))
         else:
             out[prefix + k] = v
     return out
 
 
 def format_config(cfg):
-    return "\n".join(f"{k} = {v}" for k, v in _flatten(to_dict(cfg)).items())
+    return "\n".join(f"{k} = {v}" for k, v in flatten(to_dict(cfg)).items())
 
 
 def save_config(cfg, path):

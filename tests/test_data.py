@@ -6,6 +6,7 @@ import os
 import random
 import subprocess
 import sys
+from collections import Counter
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -16,7 +17,8 @@ from nanoagent.config import make_config
 from nanoagent.data import load_prompts, row_problem, write_prompts
 from nanoagent.tasks import hotpotqa
 from nanoagent.tasks.hotpotqa import SYSTEM_PROMPT, hotpotqa_row, load_hotpotqa
-from nanoagent.tasks.synthetic import demonstration, make_split, make_world, passages, questions
+from nanoagent.tasks.synthetic import (GUESS, SKIP_SECOND_HOP, demonstration, make_split, make_world, passages, questions,
+                                       scrambled_passages)
 from nanoagent.tools import parse_tool_calls
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,7 +104,7 @@ def test_synthetic_contract_and_determinism(tmp_path):
     for out, seed in (("a", 0), ("b", 0), ("c", 1)):
         proc = prepare("--task=synthetic", f"--out={tmp_path / out}", f"--seed={seed}", "--val-size=20")
         assert proc.returncode == 0, proc.stderr
-    names = ["train.parquet", "val.parquet", "corpus.jsonl"]
+    names = ["train.parquet", "val.parquet", "corpus.jsonl", "scrambled.jsonl"]
     assert sorted(os.listdir(tmp_path / "a")) == sorted(names)
     for name in names:
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
@@ -128,19 +130,42 @@ def test_synthetic_answers_need_the_passages():
             assert last in text[before[0]] and q["answer"] not in text[before[0]].replace(q["subject"], ""), q
 
 
+def test_scrambled_passages_keep_the_words_and_move_the_facts():
+    world = make_world(seed=3, people=40, companies=10, cities=12, countries=4)
+    real, scrambled = passages(world), scrambled_passages(world)
+    assert [p["title"] for p in real] == [p["title"] for p in scrambled]  # every entity, in the same order
+    words = lambda ps: sorted(w for p in ps for w in p["text"].split())  # noqa: E731
+    assert words(real) == words(scrambled)  # the same words as often, in other places
+    text = {p["title"]: p["text"] for p in real}
+    kept = [p for p in scrambled if p["text"] == text[p["title"]]]
+    assert not kept  # each entity's facts are another entity's
+    facts = {q["question"]: q["answer"] for q in questions(world)}
+    fake = scrambled_passages(world, seed=1)
+    assert fake != scrambled and sum(f"{facts[f'Where was {p} born?']} in" in t["text"] for p in world["person"] for t in fake
+                                      if t["title"] == p) < 10  # a birthplace stays true only where two people share it
+
+
 def test_synthetic_demonstration_is_well_formed():
-    train, _, _ = make_split(seed=0, val_size=10, people=20, companies=5, cities=6, countries=2)
+    train, _, _ = make_split(seed=0, val_size=10, people=40, companies=10, cities=12, countries=4)
     rng = random.Random(0)
-    shortcuts = 0
+    kinds = Counter()
     for row in train:
         turns = demonstration(row, rng)
         calls = [c for t in turns[:-1] for c in parse_tool_calls(t)]
-        assert all(c.name == "search" and not c.error for c in calls) and turns[-1].startswith("<answer>")
-        assert [c.arguments["query"] for c in calls] == row["evidence"][:len(calls)]
-        shortcuts += len(calls) < len(row["evidence"])
-        if len(calls) == len(row["evidence"]):
-            assert turns[-1] == f"<answer>{row['answers'][0]}</answer>"
-    assert 0 < shortcuts < len(train) / 2  # imperfect on purpose, but mostly right
+        assert all(c.name == "search" and not c.error for c in calls) and turns[-1].startswith("<answer> ")
+        assert [c.arguments["query"] for c in calls] == [" " + title for title in row["evidence"][:len(calls)]]
+        if not calls:
+            kinds["guess"] += 1
+            assert turns == [f"<answer> {row['evidence'][0]}</answer>"]  # the name in the question
+        elif len(calls) < len(row["evidence"]):
+            kinds["one hop short"] += 1
+            assert turns[-1] == f"<answer> {row['evidence'][1]}</answer>"  # the bridge entity
+        else:
+            kinds["right"] += 1
+            assert turns[-1] == f"<answer> {row['answers'][0]}</answer>"
+    two_hop = sum(len(r["evidence"]) > 1 for r in train)
+    assert abs(kinds["guess"] / len(train) - GUESS) < 0.05, kinds  # imperfect on purpose: RL has room
+    assert 0 < kinds["one hop short"] < two_hop * (1 - GUESS) * SKIP_SECOND_HOP * 1.5 and kinds["right"] > 0, kinds
 
 
 def test_prompts_fit_the_tiny_model(tiny_model_dir, tmp_path):

@@ -37,11 +37,11 @@ HUB_QUESTIONS = ("hotpotqa/hotpot_qa", "distractor")
 LOCAL_FILES = {"train": ["hotpot_train_v1.1.json"], "val": ["hotpot_dev_distractor_v1.json", "hotpot_dev_fullwiki_v1.json"]}
 
 
-def qa_row(id, question, answers, type, level, evidence):
+def qa_row(id, question, answers, type, level, evidence, system_prompt=SYSTEM_PROMPT):
     """A prompt row (messages as a list; write_prompts stores them as JSON text)."""
     return {"id": id, "question": question, "answers": list(answers), "type": type, "level": level,
             "evidence": list(evidence),
-            "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": QUESTION.format(question)}]}
+            "messages": [{"role": "system", "content": system_prompt}, {"role": "user", "content": QUESTION.format(question)}]}
 
 
 def _evidence_titles(supporting_facts):

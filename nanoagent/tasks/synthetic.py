@@ -11,12 +11,15 @@ passage, in the corpus format ({"id", "title", "text"}), that states only its ow
 
 Questions are 1-hop ("Where was X born?": the answer is in X's passage) or 2-hop ("In which
 country was X born?": X's passage names the city, the city's passage names the country, and X's
-passage alone does not answer it). Every name word is unique in the world, so each answer is
-unambiguous. The same seed and sizes give the same world, passages, questions and split.
+passage alone does not answer it). A person's name is a first and a last name from two pools,
+each word shared by several people as in any real corpus, so the words of a held-out person's
+name are seen in training too, in other names; full names and all other name words are unique,
+so each answer is unambiguous. The same seed and sizes give the same world, passages, questions
+and split.
 
-The task is HotpotQA's (system prompt, question wording, search tool, scoring) on this world;
-prepare() also writes the corpus (OUT/corpus.jsonl) for build_index.py, and there are scripted
-demonstrations for a warm start.
+The task is HotpotQA's (question wording, search tool, scoring) on this world, with a shorter
+system prompt; prepare() also writes the corpus (OUT/corpus.jsonl) for build_index.py, and there
+are scripted demonstrations for a warm start.
 """
 
 import json
@@ -24,7 +27,10 @@ import os
 import random
 
 from nanoagent.data import write_prompts
-from nanoagent.tasks.hotpotqa import QUESTION, SYSTEM_PROMPT, prompts, qa_row, score, tools  # noqa: F401 (the task interface)
+from nanoagent.tasks.hotpotqa import QUESTION, prompts, qa_row, score, tools  # noqa: F401 (the task interface)
+
+# HotpotQA's instructions in a few words: a tiny model learning from scratch must find the question in its prompt
+SYSTEM_PROMPT = "Search for the entities in the question, as often as you need, then reply <answer>the answer</answer>."
 
 ONSETS = ["b", "br", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "tr", "v", "z"]
 VOWELS = ["a", "e", "i", "o", "u", "a", "e", "o"]
@@ -52,7 +58,8 @@ def make_world(seed=0, people=200, companies=40, cities=50, countries=10):
         raise ValueError("the synthetic world needs at least one of each entity and at least as many cities as countries")
     rng = random.Random(f"synthetic-world-{seed}")
     used = set()
-    first_names = [_word(rng, used, 2) for _ in range(max(8, people // 4))]  # shared by several people
+    first_names = [_word(rng, used, 2) for _ in range(max(8, people // 4))]  # each shared by several people
+    last_names = [_word(rng, used, rng.choice([2, 3])) for _ in range(max(8, people // 4))]
     world = {"country": {}, "city": {}, "company": {}, "person": {}}
     country_names = [_word(rng, used, 2, rng.choice(COUNTRY_ENDS)) for _ in range(countries)]
     city_names = [_word(rng, used, 2, rng.choice(CITY_ENDS)) for _ in range(cities)]
@@ -62,7 +69,7 @@ def make_world(seed=0, people=200, companies=40, cities=50, countries=10):
     for country in country_names:
         own = [c for c in city_names if world["city"][c]["country"] == country]
         world["country"][country] = {"capital": rng.choice(own), "population": rng.randint(2, 90)}
-    person_names = [f"{rng.choice(first_names)} {_word(rng, used, rng.choice([2, 3]))}" for _ in range(people)]
+    person_names = [" ".join(name) for name in rng.sample([(f, l) for f in first_names for l in last_names], people)]
     company_names = [f"{_word(rng, used, 2)} {rng.choice(COMPANY_KINDS)}" for _ in range(companies)]
     for company in company_names:
         world["company"][company] = {"city": rng.choice(city_names), "year": rng.randint(1850, 2015),
@@ -87,15 +94,37 @@ def passages(world):
     return [{"id": str(i), "title": title, "text": text} for i, (title, text) in enumerate(out)]
 
 
+def scrambled_passages(world, seed=0):
+    """
+    The world's passages with each entity's facts handed to another entity of its kind (a random
+    cycle): the same names, words and sentences, and none of the facts but for a value two
+    entities share. Text for the demo's tiny model to pretrain on:
+    how the world's text is written and that a passage repeats the name in its title, which a real
+    base model knows before RL, with nothing in it that answers a question.
+    """
+    rng = random.Random(f"synthetic-scrambled-{seed}")
+    scrambled = {}
+    for kind, entities in world.items():
+        order = list(entities)
+        rng.shuffle(order)
+        donor = {name: order[i - 1] for i, name in enumerate(order)}
+        scrambled[kind] = {name: dict(entities[donor[name]]) for name in entities}
+    return passages(scrambled)
+
+
 def questions(world):
     """
     Every question the world supports: dicts with question, answer, type (1-hop / 2-hop), subject
-    (the entity the question names) and evidence (the titles of the passages to read, in order).
+    (the entity the question names) and evidence (the titles of the passages to read, in order). A
+    2-hop question whose answer the subject's passage happens to state too is left out.
     """
     P, Co, Ci, K = world["person"], world["company"], world["city"], world["country"]
+    text = {p["title"]: p["text"] for p in passages(world)}
     qs = []
 
     def add(question, answer, subject, evidence):
+        if len(evidence) > 1 and str(answer) in text[subject]:  # e.g. born in the city where the company is: 1 hop would do
+            return
         qs.append({"question": question, "answer": str(answer), "type": f"{len(evidence)}-hop", "subject": subject, "evidence": evidence})
 
     for p, r in P.items():
@@ -133,7 +162,7 @@ def make_split(seed=0, val_size=100, train_size=0, **sizes):
     by_subject = {}
     for i, q in enumerate(qs):
         by_subject.setdefault(q["subject"], []).append(qa_row(f"synthetic-{i:05d}", q["question"], [q["answer"]], q["type"],
-                                                              "synthetic", q["evidence"]))
+                                                              "synthetic", q["evidence"], SYSTEM_PROMPT))
     val, train = [], []
     for s in subjects:
         (val if len(val) < val_size else train).extend(by_subject[s])
@@ -143,27 +172,42 @@ def make_split(seed=0, val_size=100, train_size=0, **sizes):
     return (train[:train_size] if train_size else train), val, passages(world)
 
 
+SCRAMBLED_COPIES = 20
+GUESS, SKIP_SECOND_HOP = 0.6, 0.25  # how often the demonstrator answers without searching, and stops a hop short
+
+
 def demonstration(row, rng):
     """
     Scripted assistant turns for a warm start by imitation: search the title of each evidence
-    passage in turn, then answer. Deliberately imperfect so RL has room: on 2-hop questions the
-    demonstrator stops after the first search 40% of the time and answers the bridge entity (wrong).
+    passage in turn, then answer. Names are written after a space, as they stand in questions and
+    passages, so that a name is the same tokens wherever it is copied to. Deliberately imperfect so
+    that RL has room: GUESS of the time the demonstrator does not search and answers with the name
+    in the question (wrong, but for the odd capital city asked about itself), and on 2-hop questions
+    it stops after the first search SKIP_SECOND_HOP of the time and answers the bridge entity (wrong).
+    A greedy policy imitating it guesses; searching, and searching twice, is what RL must find pays.
     """
     def search(query):
-        return "<tool_call>\n" + json.dumps({"name": "search", "arguments": {"query": query}}) + "\n</tool_call>"
+        return "<tool_call>\n" + json.dumps({"name": "search", "arguments": {"query": " " + query}}) + "\n</tool_call>"
 
     evidence = list(row["evidence"])
-    if len(evidence) > 1 and rng.random() < 0.4:
-        return [search(evidence[0]), f"<answer>{evidence[1]}</answer>"]
-    return [search(title) for title in evidence] + [f"<answer>{row['answers'][0]}</answer>"]
+    if rng.random() < GUESS:
+        return [f"<answer> {evidence[0]}</answer>"]
+    if len(evidence) > 1 and rng.random() < SKIP_SECOND_HOP:
+        return [search(evidence[0]), f"<answer> {evidence[1]}</answer>"]
+    return [search(title) for title in evidence] + [f"<answer> {row['answers'][0]}</answer>"]
 
 
 def prepare(out, train_size=0, val_size=None, seed=0, source=None):
-    """OUT/train.parquet, OUT/val.parquet (default 100 questions) and OUT/corpus.jsonl, the world of `seed`."""
+    """OUT/train.parquet, OUT/val.parquet (default 100 questions), OUT/corpus.jsonl and OUT/scrambled.jsonl
+    (the passages with their facts moved, in SCRAMBLED_COPIES differently scrambled copies so that
+    no fact can be memorised from them, for the tiny model's pretraining), the world of `seed`."""
     if source is not None:
         raise ValueError("the synthetic task is generated: it takes no source")
     train, val, corpus = make_split(seed, 100 if val_size is None else val_size, train_size)
-    with open(os.path.join(out, "corpus.jsonl"), "w") as f:
-        f.writelines(json.dumps(p) + "\n" for p in corpus)
-    print(f"wrote {len(corpus)} passages to {os.path.join(out, 'corpus.jsonl')}")
+    world = make_world(seed)
+    scrambled = [p for copy in range(SCRAMBLED_COPIES) for p in scrambled_passages(world, copy)]
+    for name, rows in (("corpus.jsonl", corpus), ("scrambled.jsonl", scrambled)):
+        with open(os.path.join(out, name), "w") as f:
+            f.writelines(json.dumps(p) + "\n" for p in rows)
+        print(f"wrote {len(rows)} passages to {os.path.join(out, name)}")
     write_prompts(out, {"train": train, "val": val})

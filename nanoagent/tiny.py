@@ -15,16 +15,22 @@ normalisation and pre-tokenizer, its added tokens at their ids and its chat temp
 random-weight model with Qwen2.5's 151,936-row embedding.
 """
 
+import argparse
 import importlib.resources
 import json
 import os
+import random
 import shutil
 import tempfile
 
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.convert_slow_tokenizer import TikTokenConverter
+
+from nanoagent.data import load_prompts
+from nanoagent.retriever import iter_corpus
+from nanoagent.tools import format_passages
 
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -132,6 +138,8 @@ QWEN_PLAIN_ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|f
                            "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
 QWEN_VOCAB_SIZE = 151936  # Qwen2.5's embedding rows: its 151,665 tokens and unused padding rows
 
+TEXT_VOCAB_SIZE = 8192  # the most tokens a BPE trained on a task's text may have; it stops sooner when every word is one
+
 # Bump when the builder's output changes, so cached copies are rebuilt.
 TINY_VERSION = 3
 
@@ -171,13 +179,18 @@ def byte_level(tok):
     return tok
 
 
-def build_tokenizer(vocab_size=1024):
-    """A byte-level BPE (every string is encodable) wrapped as a transformers fast tokenizer."""
+def build_tokenizer(vocab_size=1024, texts=()):
+    """
+    A byte-level BPE (every string is encodable) wrapped as a transformers fast tokenizer. texts: a
+    task's own text (its corpus and prompts) to learn merges from too: with vocab_size large enough,
+    every word of it is one token, the same token wherever the word stands after a space (in a
+    question, a passage, a search query or an answer), so copying a name is a one-token pattern.
+    """
     tok = byte_level(Tokenizer(models.BPE()))
     special = [ENDOFTEXT, IM_START, IM_END]
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special + TOOL_TAGS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
+    tok.train_from_iterator(_tokenizer_corpus() + list(texts), trainer=trainer)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=ENDOFTEXT,
                                  additional_special_tokens=TOOL_TAGS)
     hf.chat_template = CHAT_TEMPLATE
@@ -204,14 +217,15 @@ def build_qwen_tokenizer():
     return hf
 
 
-def build_tiny_model(out_dir, seed=0, hidden_size=128, num_layers=2, dtype=torch.float32, vocab="tiny"):
+def build_tiny_model(out_dir, seed=0, hidden_size=128, num_layers=2, dtype=torch.float32, vocab="tiny", texts=(), kv_heads=1):
     """
     Write a random-weight Qwen2 causal LM + tokenizer to out_dir (loadable by transformers and vLLM).
     vocab: "tiny" (the BPE above, one embedding row per token) or "qwen" (Qwen2.5's tokenizer and
-    embedding size).
+    embedding size). texts: a task's text for the tiny BPE to learn its words from (see build_tokenizer).
+    kv_heads: key/value heads, dividing the hidden_size // 64 attention heads (1: multi-query).
     """
     if vocab == "tiny":
-        tokenizer = build_tokenizer()
+        tokenizer = build_tokenizer(TEXT_VOCAB_SIZE if texts else 1024, texts)
         vocab_size = len(tokenizer)
     elif vocab == "qwen":
         tokenizer = build_qwen_tokenizer()
@@ -220,7 +234,7 @@ def build_tiny_model(out_dir, seed=0, hidden_size=128, num_layers=2, dtype=torch
         raise ValueError(f"unknown vocab {vocab!r}; valid: tiny, qwen")
     config = Qwen2Config(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=hidden_size // 64, num_key_value_heads=1,
+        num_hidden_layers=num_layers, num_attention_heads=hidden_size // 64, num_key_value_heads=kv_heads,
         head_dim=64, max_position_embeddings=4096, tie_word_embeddings=True, dtype=dtype,
         bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
@@ -231,7 +245,7 @@ def build_tiny_model(out_dir, seed=0, hidden_size=128, num_layers=2, dtype=torch
     tokenizer.save_pretrained(out_dir)
     with open(os.path.join(out_dir, "nanoagent_tiny.json"), "w") as f:
         json.dump({"version": TINY_VERSION, "vocab": vocab, "seed": seed, "hidden_size": hidden_size,
-                   "num_layers": num_layers}, f)
+                   "num_layers": num_layers, "text_trained": bool(texts)}, f)
     return out_dir
 
 
@@ -258,3 +272,76 @@ def ensure_tiny_model(cache_dir=None, seed=0):
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def pretrain(model_dir, texts, steps, batch_size=32, lr=3e-3, seed=0):
+    """
+    Language-model pretraining of the tiny model in model_dir, in place: next-token loss on texts
+    drawn at random, AdamW at a constant lr. A real base model comes to RL knowing how text is
+    written and how to copy a name it has just read; a random tiny one learns that here, in a CPU
+    minute or two, from text that should hold none of the task's facts (make demo: the synthetic
+    world's passages with the facts moved). Returns the last step's loss.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    rows = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in texts]
+    rng = random.Random(f"pretrain-{seed}")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    for step in range(steps):
+        batch = [rows[rng.randrange(len(rows))] for _ in range(batch_size)]
+        width = max(map(len, batch))
+        input_ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in batch])       # [B, L]
+        attention_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in batch])           # [B, L]
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids.masked_fill(attention_mask == 0, -100)).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 200 == 0 or step == steps - 1:
+            print(f"pretrain {step + 1:4d}/{steps} | loss {loss.item():.4f}")
+    model.save_pretrained(model_dir)
+    return loss.item()
+
+
+def task_texts(paths):
+    """The text of a task's files for build_tokenizer: passages of a corpus (.jsonl, as build_index.py
+    reads it) and the messages of prompt files (.parquet, as prepare_data.py writes them)."""
+    texts = []
+    for path in paths:
+        if path.endswith(".jsonl"):
+            texts += [f"{p['title']} {p['text']}" for p in iter_corpus(path)]
+        elif path.endswith(".parquet"):
+            texts += [m["content"] for row in load_prompts(path) for m in row["messages"]]
+        else:
+            raise ValueError(f"{path}: expected a corpus (.jsonl) or a prompt file (.parquet)")
+    return texts
+
+
+def main(argv=None):
+    """python -m nanoagent.tiny --out=DIR [--text=FILE ...] [--pretrain=CORPUS]: a tiny model whose tokenizer knows a
+    task's words, pretrained on a corpus (make demo)."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--out", required=True, help="folder to write the model and tokenizer to (loadable as model=DIR)")
+    parser.add_argument("--text", action="append", default=[], help="a corpus (.jsonl) or prompt file (.parquet) whose words become tokens; repeatable")
+    parser.add_argument("--hidden_size", type=int, default=128, help="a multiple of 64 (head_dim)")
+    parser.add_argument("--num_layers", type=int, default=2)
+    parser.add_argument("--kv_heads", type=int, default=1, help="key/value heads; must divide hidden_size // 64")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and of the pretraining's batches")
+    parser.add_argument("--pretrain", default=None, help="a corpus (.jsonl) to pretrain on, each passage as the search tool shows it")
+    parser.add_argument("--pretrain_steps", type=int, default=1000, help="pretraining steps of 32 passages")
+    args = parser.parse_args(argv)
+    if args.hidden_size % 64 or args.hidden_size < 64 or args.num_layers < 1 or args.kv_heads < 1 or (args.hidden_size // 64) % args.kv_heads:
+        parser.error(f"--hidden_size={args.hidden_size} --num_layers={args.num_layers} --kv_heads={args.kv_heads}: hidden_size must be a "
+                     "positive multiple of 64, num_layers >= 1, and kv_heads must divide hidden_size // 64")
+    os.makedirs(args.out, exist_ok=True)
+    build_tiny_model(args.out, seed=args.seed, hidden_size=args.hidden_size, num_layers=args.num_layers, texts=task_texts(args.text),
+                     kv_heads=args.kv_heads)
+    if args.pretrain:
+        pretrain(args.out, [format_passages([p]) for p in iter_corpus(args.pretrain)], args.pretrain_steps, seed=args.seed)
+    print(f"wrote a tiny model ({args.num_layers} layers, hidden {args.hidden_size}, vocab {len(AutoTokenizer.from_pretrained(args.out))}"
+          f"{f', pretrained {args.pretrain_steps} steps on {args.pretrain}' if args.pretrain else ''}) to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

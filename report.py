@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-EVAL_KEYS = ["reward", "em", "substring_em", "f1", "turns"]
+EVAL_KEYS = ["reward", "em", "substring_em", "f1", "turns", "tool_calls"]
 
 
 def read_metrics(path):
@@ -44,7 +44,7 @@ def read_stages(path):
 
 
 def eval_summary(path):
-    """Means over rollout.py's trajectories: reward, the three answer scores, turns."""
+    """Means over rollout.py's trajectories: reward, the three answer scores, turns, tool calls."""
     with open(path) as f:
         trajs = [json.loads(line) for line in f if line.strip()]
     if not trajs:
@@ -52,6 +52,7 @@ def eval_summary(path):
     summary = {k: sum(t["scores"][k] for t in trajs) / len(trajs) for k in ("em", "substring_em", "f1")}
     summary["reward"] = sum(t["reward"] for t in trajs) / len(trajs)
     summary["turns"] = sum(t["turns"] for t in trajs) / len(trajs)
+    summary["tool_calls"] = sum(len(t["tool_calls"]) for t in trajs) / len(trajs)
     return summary, len(trajs)
 
 
@@ -104,12 +105,14 @@ def write_report(run_dir, out_path, eval_path=None, stages=(), gpus=0):
         before, after = evals[0], evals[-1]
         lines += [f"| metric | before RL (step {before['step']}) | after RL (step {after['step']}) | change |",
                   "|---|---|---|---|"]
-        for k in EVAL_KEYS:
-            b, a = before.get(f"eval/{k}"), after.get(f"eval/{k}")
+        per_type = sorted({k[len("eval/"):].rpartition("/")[0] for k in after if k.count("/") == 2})
+        for key in EVAL_KEYS + [f"{ty}/{k}" for ty in per_type for k in ("em", "tool_calls")]:
+            b, a = before.get(f"eval/{key}"), after.get(f"eval/{key}")
             if b is not None and a is not None:
-                lines.append(f"| {k} | {b:.3f} | {a:.3f} | {a - b:+.3f} |")
+                lines.append(f"| {key} | {b:.3f} | {a:.3f} | {a - b:+.3f} |")
         lines += ["", "reward = the task's reward recipe; em = strict exact match; substring_em = a gold answer occurs "
-                  "in the prediction (Agent-R1's accuracy); f1 = token F1 (SQuAD).", ""]
+                  "in the prediction (Agent-R1's accuracy); f1 = token F1 (SQuAD); turns and tool_calls per question; "
+                  "TYPE/...: the questions of one type.", ""]
     else:
         lines += ["No evaluation was logged (eval.every=0).", ""]
 

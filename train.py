@@ -252,15 +252,25 @@ def imitate(policy, env, rows, demonstrate, cfg, rank, world, device):
 
 
 def evaluate(engine, env, task, rows, cfg, rank, world):
-    """Greedy rollouts on this rank's share of the held-out prompts; means over all ranks."""
-    trajs = run_agent(engine, env, rows[:cfg.eval.num_prompts][rank::world], SamplingConfig(cfg.rollout.max_new_tokens, greedy=True),
-                      cfg.rollout.max_turns, cfg.rollout.max_context_tokens)
+    """Greedy rollouts on this rank's share of the held-out prompts; means over all ranks of the
+    reward, turns, tool calls and the task's scores, overall and per question type (a row's `type`,
+    e.g. eval/2-hop/tool_calls: the behaviour behind a score)."""
+    rows = rows[:cfg.eval.num_prompts]
+    mine = rows[rank::world]
+    trajs = run_agent(engine, env, mine, SamplingConfig(cfg.rollout.max_new_tokens, greedy=True), cfg.rollout.max_turns,
+                      cfg.rollout.max_context_tokens)
     for t in trajs:
         task.score(t, cfg)
-    keys = sorted({k for t in trajs for k in t.scores})
-    total = reduce_metrics({"reward": sum(t.reward for t in trajs), "turns": sum(len(t.turn_spans) for t in trajs), "n": len(trajs),
-                            **{k: sum(t.scores.get(k, 0.0) for t in trajs) for k in keys}}, {})
-    return {f"eval/{k}": v / max(total["n"], 1) for k, v in total.items() if k != "n"}
+    fields = ["reward", "turns", "tool_calls", *sorted({k for t in trajs for k in t.scores})]
+    prefixes = ["", *sorted({f"{r['type']}/" for r in rows if r.get("type")})]  # from every rank's rows: the same keys on all ranks
+    sums = {p + k: 0.0 for p in prefixes for k in ["n", *fields]}
+    for t, row in zip(trajs, mine):
+        values = {"n": 1, "reward": t.reward, "turns": len(t.turn_spans), "tool_calls": len(t.tool_calls), **t.scores}
+        for p in ["", f"{row['type']}/"] if row.get("type") else [""]:
+            for k in ["n", *fields]:
+                sums[p + k] += values[k]
+    total = reduce_metrics(sums, {})
+    return {f"eval/{p}{k}": total[p + k] / max(total[p + "n"], 1) for p in prefixes for k in fields}
 
 
 def build_models(cfg, model_path, device):

@@ -36,7 +36,7 @@ def tools(cfg):
 
 def prompts(cfg, split):
     skus = sorted(PRICES)[:3] if split == "train" else sorted(PRICES)[3:]
-    return [{"id": f"{split}-{i}", "sku": sku, "answers": [PRICES[sku]],
+    return [{"id": f"{split}-{i}", "sku": sku, "answers": [PRICES[sku]], "type": "under 10" if int(PRICES[sku]) < 10 else "10 or more",
              "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": QUESTION.format(sku)}]}
             for i, sku in enumerate(skus * 4)]
 
@@ -88,6 +88,7 @@ def test_a_task_in_a_file_of_its_own_trains(tmp_path):
     metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     step = [m for m in metrics if m["step"] == 1 and "reward" in m][0]
     assert "looked_up" in step and "eval/looked_up" in metrics[0]  # the task's own scores
+    assert metrics[0]["eval/under 10/tool_calls"] == metrics[0]["eval/tool_calls"]  # per question type (all of val's are under 10)
     assert step["tool_calls"] > 0 and step["looked_up"] > 0  # its own tool, called as its demonstrations showed
     assert "exported" in proc.stdout
 

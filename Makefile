@@ -7,6 +7,7 @@ PIP    := $(PY) -m pip
 VARIANT := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 
 DEMO   := out/demo
+SEED   := 0
 
 .PHONY: install test test-fast test-gpu demo speedrun clean
 
@@ -31,14 +32,16 @@ test-fast:
 test-gpu:
 	$(PY) -m pytest -q -s -m gpu
 
-# The whole loop offline on a CPU: synthetic world -> MiniLM index -> tiny model -> warm start -> RL
-# -> evaluation -> $(DEMO)/run/report.md
+# The whole loop offline on a CPU: synthetic world -> MiniLM index -> tiny model whose tokenizer knows
+# the world's words -> warm start by imitation -> GRPO -> evaluation -> $(DEMO)/run/report.md
 demo:
 	$(PY) prepare_data.py --task=synthetic --out=$(DEMO)/data
 	$(PY) build_index.py --corpus=$(DEMO)/data/corpus.jsonl --out=$(DEMO)/data/index \
 		--encoder="$$($(PY) -c 'from nanoagent.retriever import packaged_minilm_path; print(packaged_minilm_path())')"
+	$(PY) -m nanoagent.tiny --out=$(DEMO)/model --text=$(DEMO)/data/corpus.jsonl --text=$(DEMO)/data/train.parquet \
+		--kv_heads=2 --pretrain=$(DEMO)/data/scrambled.jsonl --pretrain_steps=1000 --seed=$(SEED)
 	rm -rf $(DEMO)/run
-	$(PY) train.py --config=demo run_dir=$(DEMO)/run data.train_path=$(DEMO)/data/train.parquet \
+	$(PY) train.py --config=demo seed=$(SEED) model=$(DEMO)/model run_dir=$(DEMO)/run data.train_path=$(DEMO)/data/train.parquet \
 		data.val_path=$(DEMO)/data/val.parquet data.index_dir=$(DEMO)/data/index
 	$(PY) report.py --run=$(DEMO)/run
 

@@ -3,7 +3,7 @@ Talk to a trained agent in the terminal and watch it work: its reasoning, each t
 arguments), each tool result and the final answer, each in its own panel.
 
     python chat.py --model out/run/hf                          # the run's tools, index and budgets
-    python chat.py --model out/demo/run/hf --question "Where was Tresto Falfonzas born?"   # once, then exit
+    python chat.py --model out/demo/run/hf --question "Where was Rata Semam born?"   # once, then exit
     python chat.py --model Qwen/Qwen2.5-3B-Instruct --config hotpotqa --index data/hotpotqa/index
     python chat.py --model out/tiny/hf --tools calculator rollout.max_turns=2
 

@@ -152,17 +152,18 @@ PRESETS = {
         "train.activation_checkpointing=false", "train.save_every=0", "train.warm_start_steps=0",
         "eval.every=0", "eval.num_prompts=32",
     ],
-    # make demo (CPU, minutes): the whole loop on the synthetic search task, warm start then GRPO; the format
-    # term gives GRPO a signal where the tiny model answers nothing right
+    # make demo (CPU, minutes): a tiny model whose tokenizer knows the synthetic world's words (make demo builds it into
+    # out/demo/model), warm-started by imitation of a demonstrator that mostly guesses, then GRPO on EM alone
     "demo": [
-        "model=tiny", "algo=grpo", "steps=12", "run_dir=out/demo/run", "resume=never",
+        "model=out/demo/model", "algo=grpo", "steps=40", "run_dir=out/demo/run", "resume=never",
         "data.task=synthetic", "data.train_path=out/demo/data/train.parquet", "data.val_path=out/demo/data/val.parquet",
-        "data.index_dir=out/demo/data/index", "data.max_prompt_tokens=768",
-        "rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.max_turns=4", "rollout.max_new_tokens=48",
-        "rollout.max_context_tokens=2048", "rollout.max_obs_tokens=256", "rollout.dtype=float32", "rollout.tool_timeout_s=10",
+        "data.index_dir=out/demo/data/index", "data.max_prompt_tokens=512",
+        "rollout.prompts_per_step=16", "rollout.group_size=4", "rollout.max_turns=4", "rollout.max_new_tokens=48",
+        "rollout.max_context_tokens=1024", "rollout.max_obs_tokens=128", "rollout.search_top_k=1", "rollout.dtype=float32",
+        "rollout.tool_timeout_s=10",
         "ppo.mini_batch_size=16", "train.lr=3e-4", "train.micro_batch_tokens=8192", "train.dtype=float32",
-        "train.activation_checkpointing=false", "train.save_every=0", "train.warm_start_steps=150", "train.warm_start_lr=3e-3",
-        "reward.format_weight=0.5", "eval.every=6", "eval.num_prompts=32",
+        "train.activation_checkpointing=false", "train.save_every=0", "train.warm_start_steps=500", "train.warm_start_lr=3e-3",
+        "reward.format_weight=0.0", "eval.every=10", "eval.num_prompts=100",
     ],
     # one GPU node: Qwen2.5-3B-Instruct on HotpotQA with search over Wikipedia (make speedrun)
     "hotpotqa": [

@@ -262,15 +262,15 @@ def evaluate(engine, env, task, rows, cfg, rank, world):
     for t in trajs:
         task.score(t, cfg)
     fields = ["reward", "turns", "tool_calls", *sorted({k for t in trajs for k in t.scores})]
-    prefixes = ["", *sorted({f"{r['type']}/" for r in rows if r.get("type")})]  # from every rank's rows: the same keys on all ranks
-    sums = {p + k: 0.0 for p in prefixes for k in ["n", *fields]}
-    for t, row in zip(trajs, mine):
-        values = {"n": 1, "reward": t.reward, "turns": len(t.turn_spans), "tool_calls": len(t.tool_calls), **t.scores}
-        for p in ["", f"{row['type']}/"] if row.get("type") else [""]:
-            for k in ["n", *fields]:
-                sums[p + k] += values[k]
+    types = sorted({str(r["type"]) for r in rows if r.get("type")})  # from every rank's rows: the same keys on all ranks
+    groups = {"": trajs, **{f"{ty}/": [t for t, r in zip(trajs, mine) if str(r.get("type")) == ty] for ty in types}}
+    sums = {}
+    for prefix, members in groups.items():  # rollout_metrics' means, times the count: this rank's share of each total
+        means = rollout_metrics(members)
+        sums[prefix + "n"] = len(members)
+        sums.update({prefix + k: means.get(k, 0.0) * len(members) for k in fields})
     total = reduce_metrics(sums, {})
-    return {f"eval/{p}{k}": total[p + k] / max(total[p + "n"], 1) for p in prefixes for k in fields}
+    return {f"eval/{p}{k}": total[p + k] / max(total[p + "n"], 1) for p in groups for k in fields}
 
 
 def build_models(cfg, model_path, device):

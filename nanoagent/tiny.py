@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
 from nanoagent.data import load_prompts
+from nanoagent.model import pad_rows
 from nanoagent.retriever import iter_corpus
 from nanoagent.tools import format_passages
 
@@ -290,9 +291,8 @@ def pretrain(model_dir, texts, steps, batch_size=32, lr=3e-3, seed=0):
     model.train()
     for step in range(steps):
         batch = [rows[rng.randrange(len(rows))] for _ in range(batch_size)]
-        width = max(map(len, batch))
-        input_ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in batch])       # [B, L]
-        attention_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in batch])           # [B, L]
+        input_ids = pad_rows(batch, tokenizer.pad_token_id)                                   # [B, L]
+        attention_mask = pad_rows([[1] * len(r) for r in batch], 0)                          # [B, L]
         loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids.masked_fill(attention_mask == 0, -100)).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

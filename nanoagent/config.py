@@ -152,18 +152,19 @@ PRESETS = {
         "train.activation_checkpointing=false", "train.save_every=0", "train.warm_start_steps=0",
         "eval.every=0", "eval.num_prompts=32",
     ],
-    # make demo (CPU, minutes): a tiny model whose tokenizer knows the synthetic world's words (make demo builds it into
-    # out/demo/model), warm-started by imitation of a demonstrator that mostly guesses, then GRPO on EM alone
+    # make demo (CPU, minutes): a tiny model whose tokenizer knows the synthetic world's words, pretrained on scrambled
+    # copies of the world (make demo builds it into out/demo/model), warm-started by imitation of a demonstrator that
+    # mostly guesses, then GRPO on EM alone
     "demo": [
-        "model=out/demo/model", "algo=grpo", "steps=40", "run_dir=out/demo/run", "resume=never",
+        "model=out/demo/model", "algo=grpo", "steps=20", "run_dir=out/demo/run", "resume=never",
         "data.task=synthetic", "data.train_path=out/demo/data/train.parquet", "data.val_path=out/demo/data/val.parquet",
         "data.index_dir=out/demo/data/index", "data.max_prompt_tokens=512",
         "rollout.prompts_per_step=16", "rollout.group_size=4", "rollout.max_turns=4", "rollout.max_new_tokens=48",
         "rollout.max_context_tokens=1024", "rollout.max_obs_tokens=128", "rollout.search_top_k=1", "rollout.dtype=float32",
         "rollout.tool_timeout_s=10",
         "ppo.mini_batch_size=16", "train.lr=3e-4", "train.micro_batch_tokens=8192", "train.dtype=float32",
-        "train.activation_checkpointing=false", "train.save_every=0", "train.warm_start_steps=500", "train.warm_start_lr=3e-3",
-        "reward.format_weight=0.0", "eval.every=10", "eval.num_prompts=100",
+        "train.activation_checkpointing=false", "train.save_every=0", "train.warm_start_steps=60", "train.warm_start_lr=1e-3",
+        "reward.format_weight=0.0", "eval.every=5", "eval.num_prompts=100",
     ],
     # one GPU node: Qwen2.5-3B-Instruct on HotpotQA with search over Wikipedia (make speedrun)
     "hotpotqa": [

@@ -31,7 +31,7 @@ from transformers.convert_slow_tokenizer import TikTokenConverter
 from nanoagent.data import load_prompts
 from nanoagent.model import pad_rows
 from nanoagent.retriever import iter_corpus
-from nanoagent.tools import format_passages
+from nanoagent.tools import format_passages, parse_tool_calls
 
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -275,30 +275,31 @@ def ensure_tiny_model(cache_dir=None, seed=0):
     return path
 
 
-def pretrain(model_dir, texts, steps, batch_size=32, lr=3e-3, seed=0):
+def pretrain(model_dir, rows, steps, batch_size=32, lr=3e-3, seed=0):
     """
-    Language-model pretraining of the tiny model in model_dir, in place: next-token loss on texts
-    drawn at random, AdamW at a constant lr. A real base model comes to RL knowing how text is
-    written and how to copy a name it has just read; a random tiny one learns that here, in a CPU
-    minute or two, from text that should hold none of the task's facts (make demo: the synthetic
-    world's passages with the facts moved). Returns the last step's loss.
+    Pretraining of the tiny model in model_dir, in place: next-token loss on the tokens of rows
+    drawn at random where their loss mask is 1, AdamW at a constant lr. rows: (token ids, loss
+    mask) pairs, as pretraining_rows makes them. A real base model comes to RL knowing how text is
+    written, how to copy a name it has just read and how a tool is called; a random tiny one learns
+    that here, in CPU minutes, from text that should hold none of the task's facts (make demo: the
+    synthetic world's passages and conversations with the facts moved). Returns the last step's loss.
     """
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    rows = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in texts]
     rng = random.Random(f"pretrain-{seed}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     for step in range(steps):
         batch = [rows[rng.randrange(len(rows))] for _ in range(batch_size)]
-        input_ids = pad_rows(batch, tokenizer.pad_token_id)                                   # [B, L]
-        attention_mask = pad_rows([[1] * len(r) for r in batch], 0)                          # [B, L]
-        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids.masked_fill(attention_mask == 0, -100)).loss
+        input_ids = pad_rows([ids for ids, _ in batch], tokenizer.pad_token_id)             # [B, L]
+        attention_mask = pad_rows([[1] * len(ids) for ids, _ in batch], 0)                 # [B, L]
+        loss_mask = pad_rows([mask for _, mask in batch], 0)                               # [B, L], 0 on padding
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids.masked_fill(loss_mask == 0, -100)).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if step % 200 == 0 or step == steps - 1:
+        if step % 100 == 0 or step == steps - 1:
             print(f"pretrain {step + 1:4d}/{steps} | loss {loss.item():.4f}")
     model.save_pretrained(model_dir)
     return loss.item()
@@ -318,9 +319,44 @@ def task_texts(paths):
     return texts
 
 
+def pretraining_rows(path, tokenizer):
+    """
+    The documents of a pretraining file (.jsonl) as (token ids, loss mask) rows. A passage
+    ({"title", "text"}) is shown as the search tool shows it and learned whole. A conversation
+    ({"messages"[, "tools"]}, the chat format) is rendered by the model's chat template, tool calls
+    and results included, into the tokens the agent loop would assemble for it, and only what the
+    agent loop counts as actions is learned (as in supervised fine-tuning): the assistant turns,
+    with the EOS of a turn that calls no tool. What the user asks and what a tool returns are read,
+    not predicted.
+    """
+    with open(path) as f:
+        first = json.loads(f.readline() or "{}")
+    if "messages" not in first:
+        return [(ids + [tokenizer.eos_token_id], [1] * (len(ids) + 1))
+                for ids in tokenizer([format_passages([p]) for p in iter_corpus(path)], add_special_tokens=False)["input_ids"]]
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            conversation = json.loads(line)
+            messages, tools = conversation.get("messages"), conversation.get("tools")
+            if not isinstance(messages, list) or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages):
+                raise ValueError(f"{path}:{n}: a conversation needs a list of messages with a role and a content")
+            text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+            spans = []  # (start, end) characters of each assistant turn, and of the EOS that ends it when it calls no tool
+            for i, m in enumerate(messages):
+                if m["role"] == "assistant":
+                    start = len(tokenizer.apply_chat_template(messages[:i], tools=tools, tokenize=False, add_generation_prompt=True))
+                    if not text.startswith(m["content"] + tokenizer.eos_token, start):
+                        raise ValueError(f"{path}:{n}: the chat template does not render assistant turns verbatim, closed by EOS")
+                    spans.append((start, start + len(m["content"]) + (0 if parse_tool_calls(m["content"]) else len(tokenizer.eos_token))))
+            encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            rows.append((encoded["input_ids"], [int(any(a <= lo < b for a, b in spans)) for lo, _ in encoded["offset_mapping"]]))
+    return rows
+
+
 def main(argv=None):
-    """python -m nanoagent.tiny --out=DIR [--text=FILE ...] [--pretrain=CORPUS]: a tiny model whose tokenizer knows a
-    task's words, pretrained on a corpus (make demo)."""
+    """python -m nanoagent.tiny --out=DIR [--text=FILE ...] [--pretrain FILE STEPS ...]: a tiny model whose tokenizer
+    knows a task's words, pretrained on a task's text (make demo)."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--out", required=True, help="folder to write the model and tokenizer to (loadable as model=DIR)")
     parser.add_argument("--text", action="append", default=[], help="a corpus (.jsonl) or prompt file (.parquet) whose words become tokens; repeatable")
@@ -328,19 +364,27 @@ def main(argv=None):
     parser.add_argument("--num_layers", type=int, default=2)
     parser.add_argument("--kv_heads", type=int, default=1, help="key/value heads; must divide hidden_size // 64")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and of the pretraining's batches")
-    parser.add_argument("--pretrain", default=None, help="a corpus (.jsonl) to pretrain on, each passage as the search tool shows it")
-    parser.add_argument("--pretrain_steps", type=int, default=1000, help="pretraining steps of 32 passages")
+    parser.add_argument("--pretrain", nargs=2, action="append", default=[], metavar=("FILE", "STEPS"),
+                        help="pretrain STEPS steps of 32 documents on FILE (.jsonl of passages or of conversations); "
+                             "repeatable: the files are learned one after another")
     args = parser.parse_args(argv)
     if args.hidden_size % 64 or args.hidden_size < 64 or args.num_layers < 1 or args.kv_heads < 1 or (args.hidden_size // 64) % args.kv_heads:
         parser.error(f"--hidden_size={args.hidden_size} --num_layers={args.num_layers} --kv_heads={args.kv_heads}: hidden_size must be a "
                      "positive multiple of 64, num_layers >= 1, and kv_heads must divide hidden_size // 64")
+    phases = []
+    for path, steps in args.pretrain:
+        if not steps.isdigit() or not os.path.isfile(path):
+            parser.error(f"--pretrain {path} {steps}: expected an existing .jsonl file and a number of steps")
+        phases.append((path, int(steps)))
     os.makedirs(args.out, exist_ok=True)
     build_tiny_model(args.out, seed=args.seed, hidden_size=args.hidden_size, num_layers=args.num_layers, texts=task_texts(args.text),
                      kv_heads=args.kv_heads)
-    if args.pretrain:
-        pretrain(args.out, [format_passages([p]) for p in iter_corpus(args.pretrain)], args.pretrain_steps, seed=args.seed)
-    print(f"wrote a tiny model ({args.num_layers} layers, hidden {args.hidden_size}, vocab {len(AutoTokenizer.from_pretrained(args.out))}"
-          f"{f', pretrained {args.pretrain_steps} steps on {args.pretrain}' if args.pretrain else ''}) to {args.out}")
+    tokenizer = AutoTokenizer.from_pretrained(args.out)
+    for path, steps in phases:
+        print(f"pretraining {steps} steps on {path}")
+        pretrain(args.out, pretraining_rows(path, tokenizer), steps, seed=args.seed)
+    print(f"wrote a tiny model ({args.num_layers} layers, hidden {args.hidden_size}, vocab {len(tokenizer)}"
+          f"{''.join(f', pretrained {steps} steps on {path}' for path, steps in phases)}) to {args.out}")
 
 
 if __name__ == "__main__":

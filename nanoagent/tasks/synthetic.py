@@ -18,8 +18,10 @@ so each answer is unambiguous. The same seed and sizes give the same world, pass
 and split.
 
 The task is HotpotQA's (question wording, search tool, scoring) on this world, with a shorter
-system prompt; prepare() also writes the corpus (OUT/corpus.jsonl) for build_index.py, and there
-are scripted demonstrations for a warm start.
+system prompt; prepare() also writes the corpus (OUT/corpus.jsonl) for build_index.py and the demo
+tiny model's pretraining text: passages and search conversations from scrambled copies of the
+world, which teach how the world is written and searched but none of its facts. There are scripted
+demonstrations for a warm start.
 """
 
 import json
@@ -28,6 +30,7 @@ import random
 
 from nanoagent.data import write_prompts
 from nanoagent.tasks.hotpotqa import QUESTION, prompts, qa_row, score, tools  # noqa: F401 (the task interface)
+from nanoagent.tools import format_passages, parse_tool_calls, search_tool
 
 # HotpotQA's instructions in a few words: a tiny model learning from scratch must find the question in its prompt
 SYSTEM_PROMPT = "Search for the entities in the question, as often as you need, then reply <answer>the answer</answer>."
@@ -94,13 +97,13 @@ def passages(world):
     return [{"id": str(i), "title": title, "text": text} for i, (title, text) in enumerate(out)]
 
 
-def scrambled_passages(world, seed=0):
+def scrambled_world(world, seed=0):
     """
-    The world's passages with each entity's facts handed to another entity of its kind (a random
-    cycle): the same names, words and sentences, and none of the facts but for a value two
-    entities share. Text for the demo's tiny model to pretrain on:
-    how the world's text is written and that a passage repeats the name in its title, which a real
-    base model knows before RL, with nothing in it that answers a question.
+    The world with each entity's facts handed to another entity of its kind (a random cycle): the
+    same names and values, and none of the facts but for a value two entities share. Its text is for
+    the demo's tiny model to pretrain on: how the world's text is written, that a passage repeats
+    the name in its title, and how a search is done and read, which a real base model knows before
+    RL, with nothing in it that answers a question.
     """
     rng = random.Random(f"synthetic-scrambled-{seed}")
     scrambled = {}
@@ -109,7 +112,7 @@ def scrambled_passages(world, seed=0):
         rng.shuffle(order)
         donor = {name: order[i - 1] for i, name in enumerate(order)}
         scrambled[kind] = {name: dict(entities[donor[name]]) for name in entities}
-    return passages(scrambled)
+    return scrambled
 
 
 def questions(world):
@@ -172,42 +175,68 @@ def make_split(seed=0, val_size=100, train_size=0, **sizes):
     return (train[:train_size] if train_size else train), val, passages(world)
 
 
-SCRAMBLED_COPIES = 20
+SCRAMBLED_COPIES, DIALOGUES_PER_COPY = 20, 400
 GUESS, SKIP_SECOND_HOP = 0.6, 0.25  # how often the demonstrator answers without searching, and stops a hop short
 
 
-def demonstration(row, rng):
+def demonstration(row, rng, guess=GUESS, skip_second_hop=SKIP_SECOND_HOP):
     """
     Scripted assistant turns for a warm start by imitation: search the title of each evidence
     passage in turn, then answer. Names are written after a space, as they stand in questions and
     passages, so that a name is the same tokens wherever it is copied to. Deliberately imperfect so
-    that RL has room: GUESS of the time the demonstrator does not search and answers with the name
+    that RL has room: `guess` of the time the demonstrator does not search and answers with the name
     in the question (wrong, but for the odd capital city asked about itself), and on 2-hop questions
-    it stops after the first search SKIP_SECOND_HOP of the time and answers the bridge entity (wrong).
+    it stops after the first search `skip_second_hop` of the time and answers the bridge entity (wrong).
     A greedy policy imitating it guesses; searching, and searching twice, is what RL must find pays.
     """
     def search(query):
         return "<tool_call>\n" + json.dumps({"name": "search", "arguments": {"query": " " + query}}) + "\n</tool_call>"
 
     evidence = list(row["evidence"])
-    if rng.random() < GUESS:
+    if rng.random() < guess:
         return [f"<answer> {evidence[0]}</answer>"]
-    if len(evidence) > 1 and rng.random() < SKIP_SECOND_HOP:
+    if len(evidence) > 1 and rng.random() < skip_second_hop:
         return [search(evidence[0]), f"<answer> {evidence[1]}</answer>"]
     return [search(title) for title in evidence] + [f"<answer> {row['answers'][0]}</answer>"]
 
 
+def scrambled_dialogues(world, copies=SCRAMBLED_COPIES, per_copy=DIALOGUES_PER_COPY, seed=0):
+    """
+    Conversations in the chat format ({"messages", "tools"}), pretraining text for the demo's tiny
+    model: questions about scrambled copies of the world (scrambled_world), each answered by the
+    demonstrator searching right every time, the search results as the search tool shows its top
+    passage for a name. A base model has read how a search is done and read; this is that text, and
+    as the facts change from copy to copy, the answer can only be read from the result, never recalled.
+    """
+    rng = random.Random(f"synthetic-dialogues-{seed}")
+    schema = search_tool(retriever=None).schema()
+    out = []
+    for copy in range(copies):
+        fake = scrambled_world(world, copy)
+        by_title = {p["title"]: p for p in passages(fake)}
+        qs = questions(fake)
+        for q in rng.sample(qs, min(per_copy, len(qs))):
+            row = qa_row("", q["question"], [q["answer"]], q["type"], "synthetic", q["evidence"], SYSTEM_PROMPT)
+            messages = list(row["messages"])
+            for turn in demonstration(row, rng, guess=0.0, skip_second_hop=0.0):
+                messages.append({"role": "assistant", "content": turn})
+                for call in parse_tool_calls(turn):
+                    messages.append({"role": "tool", "content": format_passages([by_title[call.arguments["query"].strip()]])})
+            out.append({"messages": messages, "tools": [schema]})
+    return out
+
+
 def prepare(out, train_size=0, val_size=None, seed=0, source=None):
-    """OUT/train.parquet, OUT/val.parquet (default 100 questions), OUT/corpus.jsonl and OUT/scrambled.jsonl
-    (the passages with their facts moved, in SCRAMBLED_COPIES differently scrambled copies so that
-    no fact can be memorised from them, for the tiny model's pretraining), the world of `seed`."""
+    """OUT/train.parquet, OUT/val.parquet (default 100 questions), OUT/corpus.jsonl, and the demo tiny model's
+    pretraining text (none of it facts of the world of `seed`): OUT/scrambled.jsonl, the passages of
+    SCRAMBLED_COPIES scrambled copies of the world, and OUT/dialogues.jsonl, scrambled_dialogues."""
     if source is not None:
         raise ValueError("the synthetic task is generated: it takes no source")
     train, val, corpus = make_split(seed, 100 if val_size is None else val_size, train_size)
     world = make_world(seed)
-    scrambled = [p for copy in range(SCRAMBLED_COPIES) for p in scrambled_passages(world, copy)]
-    for name, rows in (("corpus.jsonl", corpus), ("scrambled.jsonl", scrambled)):
+    scrambled = [p for copy in range(SCRAMBLED_COPIES) for p in passages(scrambled_world(world, copy))]
+    for name, rows in (("corpus.jsonl", corpus), ("scrambled.jsonl", scrambled), ("dialogues.jsonl", scrambled_dialogues(world))):
         with open(os.path.join(out, name), "w") as f:
             f.writelines(json.dumps(p) + "\n" for p in rows)
-        print(f"wrote {len(rows)} passages to {os.path.join(out, name)}")
+        print(f"wrote {len(rows)} {'conversations' if name == 'dialogues.jsonl' else 'passages'} to {os.path.join(out, name)}")
     write_prompts(out, {"train": train, "val": val})

@@ -17,7 +17,8 @@ One step, top to bottom:
      groups whose rewards are all equal (grpo) and, optionally, trajectories cut by a budget are
      left out of the update (DAPO);
   3. the engine sleeps; the trainer recomputes old logprobs, reference logprobs and values;
-  4. advantages: masked GAE over action tokens (ppo) or group-normalised scores (grpo);
+  4. advantages: GAE over action tokens, or over turns with ppo.credit=step (ppo), or
+     group-normalised scores (grpo);
   5. PPO epochs over mini-batches: clipped policy loss (+ k3 KL loss, entropy bonus, truncated
      importance weights) and clipped value loss, each a global token mean across micro-batches
      and ranks; a non-finite loss or gradient skips the update;
@@ -112,10 +113,11 @@ def trained_rows(trajs, scores, groups, cfg):
     return (~uniform & ~overlong).float(), {"dropped_uniform": uniform.sum().item(), "dropped_overlong": (overlong & ~uniform).sum().item()}
 
 
-def global_counts(batch, rows):
-    """Action tokens and sequences with action tokens in a mini-batch, over all ranks: the
-    denominators that make every micro-batch's loss its share of one global mean."""
-    mask = batch["action_mask"][rows]
+def global_counts(batch, rows, key="action_mask"):
+    """Tokens and sequences with tokens where batch[key] is 1 (the action tokens; the value loss's
+    tokens for the critic) in a mini-batch, over all ranks: the denominators that make every
+    micro-batch's loss its share of one global mean."""
+    mask = batch[key][rows]
     return all_reduce([mask.sum().item(), (mask.sum(-1) > 0).sum().item()])
 
 
@@ -206,12 +208,13 @@ def update_policy(policy, optimizer, batch, rows, cfg, world, device):
 
 
 def update_critic(critic, optimizer, batch, rows, cfg, world, device):
-    """One optimizer step of the critic on a mini-batch: clipped value loss, global token mean.
-    Returns (shares, globals) like update_policy."""
-    global_tokens, global_seqs = global_counts(batch, rows)
+    """One optimizer step of the critic on a mini-batch: clipped value loss on the tokens where
+    value_mask is 1 (the action tokens; the state boundaries with ppo.credit=step), global token
+    mean. Returns (shares, globals) like update_policy."""
+    global_tokens, global_seqs = global_counts(batch, rows, "value_mask")
     shares = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
     for idx, get in micro_steps(batch, rows, cfg.train.micro_batch_tokens, device):
-        mask = get("action_mask") * (1.0 if idx else 0.0)
+        mask = get("value_mask") * (1.0 if idx else 0.0)
         values = critic_forward(critic, get("input_ids"), get("attention_mask"))
         per_token, vf_stats = rl.clipped_value_loss(values, get("values"), get("returns"), mask, cfg.ppo.value_clip)
         loss = rl.aggregate_loss(per_token, mask, cfg.train.loss_agg, global_tokens, global_seqs)
@@ -414,10 +417,16 @@ def main(argv=None):
             if cfg.train.kl_mode == "reward":  # ppo only (config.validate): k1 on every action token
                 rewards = rewards - cfg.train.kl_coef * kl
         t2 = time.perf_counter()
-        # 4. advantages: masked GAE over the critic's values (ppo), or group-normalised scores (grpo)
+        # 4. advantages: GAE over the critic's values (ppo), per action token or per turn, or group-normalised scores (grpo)
         if cfg.algo == "ppo":
-            batch["values"] = forward_all(lambda i, a: critic_forward(critic, i, a), batch, kept, cfg.train.micro_batch_tokens, device) * mask
-            advantages, batch["returns"] = rl.masked_gae(rewards, batch["values"], mask, cfg.ppo.gamma, cfg.ppo.lam)
+            values = forward_all(lambda i, a: critic_forward(critic, i, a), batch, kept, cfg.train.micro_batch_tokens, device)
+            if cfg.ppo.credit == "token":  # a value per action token
+                batch["value_mask"], batch["values"] = mask, values * mask
+                advantages, batch["returns"] = rl.masked_gae(rewards, batch["values"], mask, cfg.ppo.gamma, cfg.ppo.lam)
+            else:  # a value per turn, read at the token before its action
+                spans = [[(len(t.prompt_ids) + s, len(t.prompt_ids) + e) for s, e in t.turn_spans] for t in trajs]
+                advantages, batch["returns"], batch["value_mask"] = rl.step_gae(rewards, values, mask, spans, cfg.ppo.gamma, cfg.ppo.lam)
+                batch["values"] = values * batch["value_mask"]
             if cfg.ppo.whiten_advantages:  # over the action tokens of all ranks
                 n, s, sq = all_reduce([mask.sum().item(), rl.masked_sum(advantages, mask).item(), rl.masked_sum(advantages ** 2, mask).item()])
                 mean = s / max(n, 1)

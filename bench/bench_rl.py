@@ -4,6 +4,7 @@ Speed of the RL math on this machine (prints figures; asserts nothing).
     python bench/bench_rl.py            # CPU; on a GPU machine it runs there
 
 - masked_gae over a [B, T] batch: the Python loop over T is the cost; reported per call.
+- step_gae (ppo.credit=step) over the same batch cut into 4 turns per row: a loop over rows and turns.
 - grpo_advantages over a large batch.
 (The memory of logprobs and entropy over Qwen's vocabulary: bench/bench_memory.py.)
 """
@@ -29,6 +30,15 @@ def main():
         mask[:, -1] = 1.0
         t = median_time(lambda: rl.masked_gae(rewards, values, mask, 1.0, 1.0))
         print(f"masked_gae B={B} T={T}: {t * 1e3:.1f} ms ({B * T / t / 1e6:.2f} M tokens/s)")
+        turns = T // 5  # prompt, then 4 turns of action (3/4 of the turn) and observation
+        spans = [[(turns * (k + 1), turns * (k + 1) + 3 * turns // 4) for k in range(4)]] * B
+        step_mask = torch.zeros(B, T, device=DEVICE)
+        for start, end in spans[0]:
+            step_mask[:, start:end] = 1.0
+        step_rewards = torch.zeros(B, T, device=DEVICE)
+        step_rewards[:, spans[0][-1][1] - 1] = 1.0
+        ts = median_time(lambda: rl.step_gae(step_rewards, values, step_mask, spans, 1.0, 1.0))
+        print(f"step_gae B={B} T={T}, 4 turns per row: {ts * 1e3:.1f} ms ({ts / t:.2f}x masked_gae)")
     scores = torch.rand(4096, device=DEVICE)
     groups = torch.arange(4096, device=DEVICE) // 8
     print(f"grpo_advantages B=4096 G=8: {median_time(lambda: rl.grpo_advantages(scores, groups)) * 1e3:.2f} ms")

@@ -69,6 +69,7 @@ class PPOConfig:
     critic_lr: float = opt(1e-5, "critic learning rate")
     critic_warmup_steps: int = opt(0, "steps that train only the critic before the policy moves")
     whiten_advantages: bool = opt(True, "normalise GAE advantages over the batch's action tokens")
+    credit: Literal["token", "step"] = opt("token", "GAE over action tokens (token), or over turns (step: Agent-R1 v0.1's step MDP, one value per turn at the token before it, the turn's tokens share its advantage)")
 
 
 @dataclass
@@ -313,6 +314,9 @@ def validate(cfg):
          "algo=grpo with train.kl_mode=reward: GRPO divides each group's scores by their std, so in a group whose outcome "
          "rewards are all equal the KL penalty's noise alone would become advantages of order 1; use train.kl_mode=loss "
          "(k3 in the loss, as GRPO does) or none")
+    need(cfg.algo == "ppo" or cfg.ppo.credit == "token",
+         "ppo.credit=step needs algo=ppo: it is how GAE assigns the critic's values, and GRPO has no critic "
+         "(every token of a trajectory already shares its advantage)")
     need((cfg.rollout.prompts_per_step * cfg.rollout.group_size) % cfg.ppo.mini_batch_size == 0,
          f"rollout.prompts_per_step x rollout.group_size ({cfg.rollout.prompts_per_step * cfg.rollout.group_size}) "
          f"must be a multiple of ppo.mini_batch_size ({cfg.ppo.mini_batch_size})")

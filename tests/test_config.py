@@ -34,6 +34,8 @@ def test_defaults_presets_and_overrides():
     ("rollout.group_size=1", "algo=grpo needs rollout.group_size >= 2"),
     ("train.kl_mode=reward", "algo=grpo with train.kl_mode=reward: GRPO divides each group's scores by their std"),
     ("data.bad_prompts=skip", "valid: refuse, drop"),
+    ("ppo.credit=turn", "valid: token, step"),
+    ("ppo.credit=step", "ppo.credit=step needs algo=ppo"),
     ("steps", "expected key=value"),
 ])
 def test_bad_overrides_are_refused_with_the_key(override, message):

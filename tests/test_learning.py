@@ -4,8 +4,9 @@ calculator with the question's numbers and copies the result into its answer. A 
 cannot find the tool-call format alone, so it is first warm-started by imitating scripted
 demonstrations through the trainer's own forward, mask and loss code. The demonstrations leave
 room: on one of the two question phrasings they mostly guess without the tool (and are wrong), so
-the warm-started greedy policy answers those questions wrong. Then PPO and GRPO, each from the same
-warm-started export, must raise the held-out greedy reward by >= 0.2 absolute.
+the warm-started greedy policy answers those questions wrong. Then GRPO, PPO and PPO with
+step-level credit (ppo.credit=step), each from the same warm-started export, must raise the
+held-out greedy reward by >= 0.2 absolute.
 """
 
 import json
@@ -34,11 +35,12 @@ def test_ppo_and_grpo_improve_on_the_warm_start(tmp_path):
     assert start <= 0.7, f"the warm start leaves too little room for RL (held-out reward {start:.2f})"
     export = str(tmp_path / "warm" / "hf")
     curves = {}
-    for algo in ("grpo", "ppo"):
-        metrics = train(tmp_path / algo, f"model={export}", f"algo={algo}", *RL)
+    for algo, credit in (("grpo", "token"), ("ppo", "token"), ("ppo", "step")):
+        name = algo if credit == "token" else f"{algo}-{credit}"
+        metrics = train(tmp_path / name, f"model={export}", f"algo={algo}", f"ppo.credit={credit}", *RL)
         evals = [(m["step"], m["eval/reward"]) for m in metrics if "eval/reward" in m]
         steps = [m for m in metrics if "time/step" in m]
-        curves[algo] = {"train_reward": [round(m["reward"], 3) for m in steps], "eval_reward": evals,
+        curves[name] = {"train_reward": [round(m["reward"], 3) for m in steps], "eval_reward": evals,
                         "dropped_uniform": [round(m["dropped_uniform"], 3) for m in steps]}
         assert evals[0] == (0, pytest.approx(start, abs=1e-6))  # RL starts where the warm start ended
     print(json.dumps(curves))

@@ -94,6 +94,64 @@ def test_masked_gae_refuses_reward_on_observation_token():
         rl.masked_gae(torch.tensor([[0.0, 1.0]]), torch.zeros(1, 2), torch.tensor([[1.0, 0.0]]), 1.0, 1.0)
 
 
+# ----------------------------------------------------------------------------- step_gae
+
+def test_step_gae_hand_computed():
+    """Two rows with several turns of uneven length, observations between them, a process reward on a
+    turn's last token and the outcome on the last action token, and padding."""
+    #            p   p   a0  a0  a0  o   o   a1  o   a2  a2
+    rewards = [[0., 0., 0., 0., .1, 0., 0., .1, 0., 0., 1.],
+               [0., 0., 0., 0., 0., 0., 0., 0., .5, 0., 0.]]
+    values = [[9., .4, 7., 7., 7., 9., .2, 7., .6, 7., 7.],
+              [9., 9., .3, 7., 7., .1, 7., 7., 7., 7., 7.]]
+    #            p   p   p   a0  a0  o   a1  a1  a1  pad pad
+    mask = [[0., 0., 1., 1., 1., 0., 0., 1., 0., 1., 1.],
+            [0., 0., 0., 1., 1., 0., 1., 1., 1., 0., 0.]]
+    spans = [[(2, 5), (7, 8), (9, 11)], [(3, 5), (6, 9)]]
+    gamma, lam = 0.9, 0.8
+    adv, ret, vmask = rl.step_gae(torch.tensor(rewards), torch.tensor(values), torch.tensor(mask), spans, gamma, lam)
+    # row 0, by hand: V(s) = [0.4, 0.2, 0.6] (the tokens before each action), r = [0.1, 0.1, 1.0]
+    d2 = 1.0 + 0.0 - 0.6
+    d1 = 0.1 + 0.9 * 0.6 - 0.2
+    d0 = 0.1 + 0.9 * 0.2 - 0.4
+    a2, a1 = d2, d1 + 0.72 * d2
+    a0 = d0 + 0.72 * a1
+    # row 1: V(s) = [0.3, 0.1], r = [0, 0.5]
+    b1 = 0.5 - 0.1
+    b0 = 0.0 + 0.9 * 0.1 - 0.3 + 0.72 * b1
+    torch.testing.assert_close(adv, torch.tensor([[0, 0, a0, a0, a0, 0, 0, a1, 0, a2, a2],
+                                                  [0, 0, 0, b0, b0, 0, b1, b1, b1, 0, 0]]))
+    torch.testing.assert_close(vmask, torch.tensor([[0., 1, 0, 0, 0, 0, 1, 0, 1, 0, 0], [0., 0, 1, 0, 0, 1, 0, 0, 0, 0, 0]]))
+    torch.testing.assert_close(ret, torch.tensor([[0, a0 + .4, 0, 0, 0, 0, a1 + .2, 0, a2 + .6, 0, 0],
+                                                  [0, 0, b0 + .3, 0, 0, b1 + .1, 0, 0, 0, 0, 0]]))
+
+
+def test_step_gae_with_one_token_steps_is_textbook_gae_over_steps():
+    g = torch.Generator().manual_seed(0)
+    K = 6  # steps of one action token each, after a one-token prompt / observation
+    step_rewards, step_values = torch.randn(K, generator=g), torch.randn(K, generator=g)
+    T = 2 * K
+    rewards, values, mask = torch.zeros(1, T), torch.randn(1, T, generator=g), torch.zeros(1, T)
+    spans = [[(2 * k + 1, 2 * k + 2) for k in range(K)]]
+    for k, (start, _) in enumerate(spans[0]):
+        rewards[0, start], values[0, start - 1], mask[0, start] = step_rewards[k], step_values[k], 1.0
+    adv, ret, _ = rl.step_gae(rewards, values, mask, spans, 0.97, 0.9)
+    expected = torch.tensor(textbook_gae(step_rewards.tolist(), step_values.tolist(), 0.97, 0.9))
+    torch.testing.assert_close(adv[0, 1::2], expected)
+    torch.testing.assert_close(ret[0, 0::2], expected + step_values)
+
+
+def test_step_gae_refuses_spans_that_miss_actions_and_dropped_rows_are_zero():
+    rewards, values = torch.zeros(2, 6), torch.ones(2, 6)
+    mask = torch.tensor([[0., 1, 1, 0, 1, 1], [0., 0, 0, 0, 0, 0]])
+    with pytest.raises(ValueError, match="outside its spans"):
+        rl.step_gae(rewards, values, mask, [[(1, 3)], []], 1.0, 1.0)
+    with pytest.raises(ValueError, match="not increasing"):
+        rl.step_gae(rewards, values, mask, [[(4, 6), (1, 3)], []], 1.0, 1.0)
+    adv, ret, vmask = rl.step_gae(rewards, values, mask * torch.tensor([[1.], [0.]]), [[(1, 3), (4, 6)], [(1, 3)]], 1.0, 1.0)
+    assert not adv[1].any() and not ret[1].any() and not vmask[1].any()  # a row left out of the update (mask 0)
+
+
 # ----------------------------------------------------------------------------- grpo
 
 def test_grpo_hand_computed():

@@ -43,11 +43,12 @@ def train(run_dir, *overrides, nproc=2, env_cache=None, script="train.py"):
 def test_two_steps_push_export_in_bf16(algo, tmp_path):
     """What a GPU run does, on 2 CPU ranks: bf16 mixed precision (trainer and engine), activation
     checkpointing, models built on the meta device from rank 0's copy, a fresh model cache (the
-    ranks build the tiny model at the same time)."""
+    ranks build the tiny model at the same time). PPO runs with step-level credit (ppo.credit=step;
+    token-level PPO runs on 2 ranks in test_resume_gives_the_same_next_step)."""
     # a small token budget gives the ranks different numbers of micro-batches, which they must keep in step
     out, metrics = train(tmp_path / "run", f"algo={algo}", "steps=2", "train.micro_batch_tokens=600", "train.dtype=bfloat16",
                          "rollout.dtype=bfloat16", "train.activation_checkpointing=true",
-                         *(["train.kl_mode=loss", "train.overlong_filter=true"] if algo == "grpo" else ["train.kl_mode=reward"]),
+                         *(["train.kl_mode=loss", "train.overlong_filter=true"] if algo == "grpo" else ["train.kl_mode=reward", "ppo.credit=step"]),
                          env_cache=str(tmp_path / "cache"))
     steps = [m for m in metrics if m["step"] >= 1]
     assert [m["step"] for m in steps] == [1, 2] and all("reward" in m for m in steps)

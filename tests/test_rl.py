@@ -101,7 +101,7 @@ def test_step_gae_hand_computed():
     turn's last token and the outcome on the last action token, and padding."""
     #            p   p   a0  a0  a0  o   o   a1  o   a2  a2
     rewards = [[0., 0., 0., 0., .1, 0., 0., .1, 0., 0., 1.],
-               [0., 0., 0., 0., 0., 0., 0., 0., .5, 0., 0.]]
+               [0., 0., 0., 0., 0., 0., -.05, 0., .5, 0., 0.]]  # a per-token term (e.g. the KL penalty) mid-turn
     values = [[9., .4, 7., 7., 7., 9., .2, 7., .6, 7., 7.],
               [9., 9., .3, 7., 7., .1, 7., 7., 7., 7., 7.]]
     #            p   p   p   a0  a0  o   a1  a1  a1  pad pad
@@ -116,8 +116,8 @@ def test_step_gae_hand_computed():
     d0 = 0.1 + 0.9 * 0.2 - 0.4
     a2, a1 = d2, d1 + 0.72 * d2
     a0 = d0 + 0.72 * a1
-    # row 1: V(s) = [0.3, 0.1], r = [0, 0.5]
-    b1 = 0.5 - 0.1
+    # row 1: V(s) = [0.3, 0.1], r = [0, -0.05 + 0.5]
+    b1 = 0.45 - 0.1
     b0 = 0.0 + 0.9 * 0.1 - 0.3 + 0.72 * b1
     torch.testing.assert_close(adv, torch.tensor([[0, 0, a0, a0, a0, 0, 0, a1, 0, a2, a2],
                                                   [0, 0, 0, b0, b0, 0, b1, b1, b1, 0, 0]]))

@@ -193,3 +193,26 @@ def test_long_prompts_stop_every_rank_when_the_data_is_loaded(tiny_model_dir):
     assert "data.bad_prompts=drop" in proc.stderr
     kept, _, _ = train.task_data(arithmetic, make_config("tiny", [f"data.max_prompt_tokens={min(lengths)}", "data.bad_prompts=drop"]), tok)
     assert len(kept) == len(rows) - len(over) and not {r["id"] for r in kept} & set(over)
+
+
+def test_step_credit_trains_the_critic_at_the_state_boundaries_only(process_group, tiny_model_dir):
+    """With ppo.credit=step the value loss is taken where step_gae put the returns (the token before each
+    turn's action), not on the action tokens: update_critic's loss is the clipped value loss's mean over
+    value_mask, computed here by hand from the critic's values."""
+    from nanoagent import rl
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    batch = update_batch(tok)
+    cfg = make_config("tiny", ["algo=ppo", "ppo.credit=step"])
+    critic = build_critic(training_config(tiny_model_dir), read_weights(tiny_model_dir), CPU, torch.float32, False)
+    with torch.no_grad():
+        values = critic_forward(critic, batch["input_ids"], batch["attention_mask"])
+    boundaries = torch.zeros_like(batch["action_mask"])
+    starts = batch["action_mask"].diff(dim=1, prepend=torch.zeros_like(batch["action_mask"][:, :1])) > 0
+    boundaries[:, :-1] = starts[:, 1:].float()  # the token before each action span
+    assert 0 < boundaries.sum() < batch["action_mask"].sum()
+    batch["value_mask"], batch["values"] = boundaries, (values + 0.3) * boundaries
+    batch["returns"] = torch.randn(boundaries.shape) * boundaries
+    expected, _ = rl.clipped_value_loss(values, batch["values"], batch["returns"], boundaries, cfg.ppo.value_clip)
+    rows = list(range(len(batch["lengths"])))
+    shares, _ = train.update_critic(critic, torch.optim.SGD(critic.parameters(), lr=0.0), batch, rows, cfg, 1, CPU)
+    assert shares["vf_loss"] == pytest.approx((expected.sum() / boundaries.sum()).item(), rel=1e-4)

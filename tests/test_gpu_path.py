@@ -16,7 +16,7 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 import train
-from nanoagent import common
+from nanoagent import common, rl
 from nanoagent.agent import scripted_trajectories
 from nanoagent.config import make_config
 from nanoagent.data import fit_prompts, step_prompts
@@ -199,7 +199,6 @@ def test_step_credit_trains_the_critic_at_the_state_boundaries_only(process_grou
     """With ppo.credit=step the value loss is taken where step_gae put the returns (the token before each
     turn's action), not on the action tokens: update_critic's loss is the clipped value loss's mean over
     value_mask, computed here by hand from the critic's values."""
-    from nanoagent import rl
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     batch = update_batch(tok)
     cfg = make_config("tiny", ["algo=ppo", "ppo.credit=step"])

@@ -284,6 +284,8 @@ def pretrain(model_dir, rows, steps, batch_size=32, lr=3e-3, seed=0):
     that here, in CPU minutes, from text that should hold none of the task's facts (make demo: the
     synthetic world's passages and conversations with the facts moved). Returns the last step's loss.
     """
+    if not rows:
+        raise ValueError(f"pretraining {model_dir}: no documents to learn from")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     rng = random.Random(f"pretrain-{seed}")

@@ -250,6 +250,8 @@ def test_pretraining_teaches_the_tiny_model_its_text_and_saves_it(tmp_path):
             return model(input_ids=ids, labels=ids).loss.item()
 
     before = loss()
+    with pytest.raises(ValueError, match="no documents to learn from"):
+        pretrain(str(tmp_path), [], steps=30)
     last = pretrain(str(tmp_path), rows, steps=30, batch_size=4)
     assert last < before - 2 and loss() < before - 2, (before, last, loss())  # learned, and saved
 

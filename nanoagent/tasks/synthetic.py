@@ -235,8 +235,9 @@ def prepare(out, train_size=0, val_size=None, seed=0, source=None):
     train, val, corpus = make_split(seed, 100 if val_size is None else val_size, train_size)
     world = make_world(seed)
     scrambled = [p for copy in range(SCRAMBLED_COPIES) for p in passages(scrambled_world(world, copy))]
-    for name, rows in (("corpus.jsonl", corpus), ("scrambled.jsonl", scrambled), ("dialogues.jsonl", scrambled_dialogues(world))):
+    for name, rows, what in (("corpus.jsonl", corpus, "passages"), ("scrambled.jsonl", scrambled, "passages"),
+                             ("dialogues.jsonl", scrambled_dialogues(world), "conversations")):
         with open(os.path.join(out, name), "w") as f:
             f.writelines(json.dumps(p) + "\n" for p in rows)
-        print(f"wrote {len(rows)} {'conversations' if name == 'dialogues.jsonl' else 'passages'} to {os.path.join(out, name)}")
+        print(f"wrote {len(rows)} {what} to {os.path.join(out, name)}")
     write_prompts(out, {"train": train, "val": val})

@@ -165,7 +165,7 @@ def main(argv=None):
     try:
         tools = task.tools(cfg) if args.tools is None else make_tools([t.strip() for t in args.tools.split(",") if t.strip()],
                                                                         cfg.data.index_dir, top_k=cfg.rollout.search_top_k)
-        env = ToolEnv(tools, tokenizer, cfg.rollout.max_obs_tokens, cfg.rollout.tool_timeout_s)
+        env = ToolEnv(tools, tokenizer, cfg.rollout.max_obs_tokens, cfg.rollout.tool_timeout_s, cfg.rollout.context, cfg.rollout.keep_turns)
     except (OSError, ValueError) as e:  # no index there, an unknown tool, an index that will not load
         fail(str(e))
     max_context = min(cfg.rollout.max_context_tokens, max_positions or cfg.rollout.max_context_tokens)

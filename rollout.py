@@ -64,7 +64,7 @@ def main(argv=None):
         sys.exit(f"rollout.py: {model_path} has no chat template; nanoagent renders prompts and tool results with it")
     tools = task.tools(cfg) if args.tools is None else make_tools([t for t in args.tools.split(",") if t], cfg.data.index_dir,
                                                                     top_k=cfg.rollout.search_top_k)
-    env = ToolEnv(tools, tokenizer, cfg.rollout.max_obs_tokens, cfg.rollout.tool_timeout_s)
+    env = ToolEnv(tools, tokenizer, cfg.rollout.max_obs_tokens, cfg.rollout.tool_timeout_s, cfg.rollout.context, cfg.rollout.keep_turns)
     engine = make_engine(cfg.rollout.engine, model_path, tokenizer, cfg.rollout.max_context_tokens, cfg.rollout.dtype,
                          cfg.rollout.gpu_memory_utilization, cfg.rollout.tensor_parallel_size, cfg.seed)
     sampling = SamplingConfig(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, args.greedy)

@@ -12,6 +12,8 @@ demonstrations for an optional warm start by imitation; everything else here is 
 
 One step, top to bottom:
   1. rollout: every rank rolls out its share of the prompts (G times each), multi-turn with tools;
+     a turn sees the whole trajectory (one growing token row), or with rollout.context=last_k the
+     question and the last K turns, and each turn is then a token row of its own;
   2. rewards: the task scores each trajectory; the outcome reward sits on the last action token,
      process rewards on the last action token of their turn, and (kl_mode=reward) -kl_coef * k1;
      groups whose rewards are all equal (grpo) and, optionally, trajectories cut by a budget are
@@ -72,7 +74,7 @@ def task_data(task, cfg, tokenizer):
     """(train rows, val rows, tool environment): the task's prompts, made on the spot or read from
     a file, every one checked (well-formed rows, then data.max_prompt_tokens with chat template and
     tool schemas included) when loaded, on every rank, before any collective."""
-    env = ToolEnv(task.tools(cfg), tokenizer, cfg.rollout.max_obs_tokens, cfg.rollout.tool_timeout_s)
+    env = ToolEnv(task.tools(cfg), tokenizer, cfg.rollout.max_obs_tokens, cfg.rollout.tool_timeout_s, cfg.rollout.context, cfg.rollout.keep_turns)
     rows = {}
     for split in ("train", "val"):
         prompts = check_prompts(task.prompts(cfg, split), cfg.data.bad_prompts, f"{cfg.data.task} {split} prompts")
@@ -82,18 +84,18 @@ def task_data(task, cfg, tokenizer):
 
 
 def token_rewards(trajs, batch, tool_call_reward):
-    """[B, L] rewards on action tokens: the outcome on the last action token of the trajectory,
-    the process reward on the last action token of each turn whose tool calls all succeeded."""
+    """[R, L] rewards on action tokens (of the batch's rows): the outcome on the last action token
+    of the trajectory, the process reward on the last action token of each turn whose tool calls
+    all succeeded."""
     rewards = torch.zeros_like(batch["action_mask"])
-    for i, t in enumerate(trajs):
-        P = len(t.prompt_ids)
+    for t, steps in zip(trajs, batch["steps"]):
         if tool_call_reward:
-            for turn, (s, e) in enumerate(t.turn_spans):
+            for turn, (row, _, end) in enumerate(steps):
                 calls = [c for c in t.tool_calls if c.turn == turn]
-                if calls and not any(c.error for c in calls) and turn < len(t.turn_spans) - 1:
-                    rewards[i, P + e - 1] += tool_call_reward
-        last = P + t.turn_spans[-1][1] - 1
-        rewards[i, last] += t.reward
+                if calls and not any(c.error for c in calls) and turn < len(steps) - 1:
+                    rewards[row, end - 1] += tool_call_reward
+        row, _, end = steps[-1]
+        rewards[row, end - 1] += t.reward
     return rewards
 
 
@@ -153,21 +155,25 @@ def optimizer_step(model, optimizer, loss_sum, grad_clip):
 
 def ppo_epochs(models, optimizers, batch, kept, cfg, step, rank, world, device):
     """
-    PPO epochs over mini-batches of the trajectories that train (kept: this rank's rows): the
-    critic's step, then the policy's (after the critic's warm-up). Every rank takes the same
-    number of optimizer steps, ceil(kept rows of all ranks / mini_batch_size), because each is a
-    collective: a rank left with no rows runs zero-weight passes. Returns the policy's and the
-    critic's [(shares, globals)] (see update_policy).
+    PPO epochs over mini-batches of the trajectories that train (kept: this rank's rows; a
+    trajectory's rows, one or one per turn, stay in one mini-batch): the critic's step, then the
+    policy's (after the critic's warm-up). Every rank takes the same number of optimizer steps,
+    ceil(kept trajectories of all ranks / mini_batch_size), because each is a collective: a rank
+    left with no rows runs zero-weight passes. Returns the policy's and the critic's
+    [(shares, globals)] (see update_policy).
     """
-    [total] = all_reduce([len(kept)])
+    rows_of = {}  # trajectory -> its kept rows
+    for row in kept:
+        rows_of.setdefault(batch["trajectory"][row].item(), []).append(row)
+    [total] = all_reduce([len(rows_of)])
     n_mini = math.ceil(total / cfg.ppo.mini_batch_size)
     policy_updates, critic_updates = [], []
     order_rng = random.Random(f"{cfg.seed}-{step}-{rank}")
     for epoch in range(cfg.ppo.epochs):
-        order = list(kept)
+        order = list(rows_of)
         order_rng.shuffle(order)
         for m in range(n_mini):
-            rows = order[m * len(order) // n_mini:(m + 1) * len(order) // n_mini]
+            rows = [row for i in order[m * len(order) // n_mini:(m + 1) * len(order) // n_mini] for row in rows_of[i]]
             if "critic" in models:
                 critic_updates.append(update_critic(models["critic"], optimizers["critic"], batch, rows, cfg, world, device))
             if cfg.algo != "ppo" or step >= cfg.ppo.critic_warmup_steps:
@@ -238,7 +244,7 @@ def imitate(policy, env, rows, demonstrate, cfg, rank, world, device):
     per_rank = cfg.ppo.mini_batch_size // world
     for step in range(cfg.train.warm_start_steps):
         batch = collate([demos[rng.randrange(len(demos))] for _ in range(per_rank)], pad_token_id(env.tokenizer))
-        rows = list(range(per_rank))
+        rows = list(range(len(batch["lengths"])))
         global_tokens, _ = global_counts(batch, rows)
         loss_sum = 0.0
         for idx, get in micro_steps(batch, rows, cfg.train.micro_batch_tokens, device):
@@ -395,14 +401,16 @@ def main(argv=None):
         # 2. rewards: the task scores each trajectory; rewards sit on action tokens
         for t in trajs:
             task.score(t, cfg)
+        # a row per trajectory, or (rollout.context=last_k) per turn; owner: [R] the trajectory of each row
         batch = collate(trajs, pad_token_id(tokenizer))
-        rewards = token_rewards(trajs, batch, cfg.train.tool_call_reward)
-        scores = rewards.sum(-1)  # [B] each trajectory's return, what GRPO compares within its group
+        owner = batch["trajectory"]
+        rewards = token_rewards(trajs, batch, cfg.train.tool_call_reward)  # [R, L]
+        scores = torch.zeros(len(trajs)).index_add_(0, owner, rewards.sum(-1))  # [B] each trajectory's return, what GRPO compares
         groups = torch.arange(len(prompts)).repeat_interleave(cfg.rollout.group_size)
-        # the trajectories that train (kept); the others get mask 0, and no forward pass runs over them
+        # the trajectories that train (kept: their rows); the others get mask 0, and no forward pass runs over them
         keep, dropped = trained_rows(trajs, scores, groups, cfg)
-        kept = keep.nonzero().flatten().tolist()
-        mask = batch["action_mask"] = batch["action_mask"] * keep[:, None]
+        kept = keep[owner].nonzero().flatten().tolist()
+        mask = batch["action_mask"] = batch["action_mask"] * keep[owner][:, None]
         rewards = rewards * mask
         t1 = time.perf_counter()
         # 3. old logprobs (recomputed by the trainer), reference logprobs and KL
@@ -424,8 +432,7 @@ def main(argv=None):
                 batch["value_mask"], batch["values"] = mask, values * mask
                 advantages, batch["returns"] = rl.masked_gae(rewards, batch["values"], mask, cfg.ppo.gamma, cfg.ppo.lam)
             else:  # a value per turn, read at the token before its action
-                spans = [[(len(t.prompt_ids) + s, len(t.prompt_ids) + e) for s, e in t.turn_spans] for t in trajs]
-                advantages, batch["returns"], batch["value_mask"] = rl.step_gae(rewards, values, mask, spans, cfg.ppo.gamma, cfg.ppo.lam)
+                advantages, batch["returns"], batch["value_mask"] = rl.step_gae(rewards, values, mask, batch["steps"], cfg.ppo.gamma, cfg.ppo.lam)
                 batch["values"] = values * batch["value_mask"]
             if cfg.ppo.whiten_advantages:  # over the action tokens of all ranks
                 n, s, sq = all_reduce([mask.sum().item(), rl.masked_sum(advantages, mask).item(), rl.masked_sum(advantages ** 2, mask).item()])
@@ -433,7 +440,7 @@ def main(argv=None):
                 var = (sq - n * mean ** 2) / max(n - 1, 1)
                 advantages = (advantages - mean) / math.sqrt(var + 1e-8) * mask
         else:
-            advantages = rl.grpo_advantages(scores, groups, cfg.grpo.eps, cfg.grpo.scale_by_std)[:, None] * mask
+            advantages = rl.grpo_advantages(scores, groups, cfg.grpo.eps, cfg.grpo.scale_by_std)[owner][:, None] * mask
         batch["advantages"] = advantages
         # 5. PPO epochs over mini-batches of the kept trajectories: critic, then policy (after the critic's warm-up)
         policy_updates, critic_updates = ppo_epochs(models, optimizers, batch, kept, cfg, step, rank, world, device)

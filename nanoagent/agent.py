@@ -19,6 +19,14 @@ logprobs), obs_k are the ids the environment appended (action_mask 0): the chat-
 closes the assistant turn, the tool results, and the next assistant header. Nothing is ever
 decoded and re-encoded, so the trainer scores exactly the tokens that were sampled.
 
+With rollout.context=last_k (ToolEnv.context) a turn does not see the whole trajectory: the
+environment renders its prompt afresh from the conversation, the system prompt and the question
+with the last K turns (Agent-R1 v0.1's step context; Trajectory.step_prompts). Each turn is then a
+pair (the prompt ids it was sampled from, the ids it sampled), token-in/token-out within the turn,
+and the trainer scores each pair as a sequence of its own (Trajectory.sequences). Earlier turns
+are re-rendered from their text in later prompts, so a turn's prompt can differ from the tokens
+sampled before it; what is trained is always what the engine saw and sampled.
+
 A trajectory ends when the model answers without a tool call ("answer"), when a turn runs out of
 new-token budget without a call ("truncated"), when it would exceed the context budget
 ("context_budget"), or when it makes a call in its last allowed turn ("max_turns").
@@ -29,7 +37,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from collections import Counter
 from dataclasses import dataclass, field
 
-from nanoagent.tools import parse_tool_calls
+from nanoagent.tools import parse_tool_calls, turn_messages
 
 FINISH_REASONS = ("answer", "truncated", "context_budget", "max_turns")
 
@@ -39,10 +47,11 @@ class Trajectory:
     sample: dict                                           # the data row: id, messages, answers, ...
     prompt_ids: list
     messages: list                                         # the conversation, prompt included
-    response_ids: list = field(default_factory=list)
+    response_ids: list = field(default_factory=list)       # full context: act_1 obs_1 ... act_n; last_k: act_1 ... act_n
     action_mask: list = field(default_factory=list)        # 1: sampled by the policy; 0: added by the environment
     rollout_logprobs: list = field(default_factory=list)   # engine logprob of each response token (0 where mask 0)
     turn_spans: list = field(default_factory=list)         # [start, end) of each action in response_ids
+    step_prompts: list = field(default_factory=list)       # last_k: the prompt ids each turn was sampled from
     tool_calls: list = field(default_factory=list)         # ToolCall, with the turn it was made in
     final_text: str = ""                                   # content of the last assistant turn
     finish_reason: str | None = None
@@ -51,6 +60,24 @@ class Trajectory:
 
     def __len__(self):
         return len(self.prompt_ids) + len(self.response_ids)
+
+    def next_prompt_ids(self):
+        """What the next turn is sampled from: the row so far, or (last_k) the prompt rendered for it."""
+        return self.step_prompts[-1] if self.step_prompts else self.prompt_ids + self.response_ids
+
+    def sequences(self):
+        """
+        The token rows the trainer scores, as (ids, action_mask, rollout_logprobs, spans), spans the
+        [start, end) of each action in its row. With the full context one row, prompt | response;
+        with context=last_k one row per turn: the prompt that turn was sampled from, then its action.
+        """
+        if not self.step_prompts:
+            P = len(self.prompt_ids)
+            return [(self.prompt_ids + self.response_ids, [0] * P + self.action_mask, [0.0] * P + self.rollout_logprobs,
+                     [(P + s, P + e) for s, e in self.turn_spans])]
+        return [(prompt + self.response_ids[s:e], [0] * len(prompt) + self.action_mask[s:e],
+                 [0.0] * len(prompt) + self.rollout_logprobs[s:e], [(len(prompt), len(prompt) + e - s)])
+                for prompt, (s, e) in zip(self.step_prompts, self.turn_spans)]
 
     def append(self, ids, mask, logprobs=None):
         self.response_ids += ids
@@ -67,6 +94,7 @@ class Trajectory:
             "messages": self.messages, "prompt_ids": self.prompt_ids, "response_ids": self.response_ids,
             "action_mask": self.action_mask, "rollout_logprobs": self.rollout_logprobs, "turn_spans": self.turn_spans,
             "response_text": tokenizer.decode(self.response_ids, skip_special_tokens=False),
+            **({"step_prompt_ids": self.step_prompts} if self.step_prompts else {}),
         }
 
 
@@ -77,7 +105,8 @@ def start_trajectories(env, samples, max_context_tokens):
         prompt_ids = env.prompt_ids(s["messages"])
         if len(prompt_ids) >= max_context_tokens:
             raise ValueError(f"prompt {s.get('id')!r} is {len(prompt_ids)} tokens, over the context budget of {max_context_tokens}")
-        trajs.append(Trajectory(sample=s, prompt_ids=prompt_ids, messages=list(s["messages"])))
+        trajs.append(Trajectory(sample=s, prompt_ids=prompt_ids, messages=list(s["messages"]),
+                                step_prompts=[prompt_ids] if env.context == "last_k" else []))
     return trajs
 
 
@@ -114,15 +143,26 @@ def take_turn(t, gen, budget, turn, max_turns, max_new_tokens, tokenizer):
 
 
 def observe(t, env, content, ended_with_eos, calls, max_context_tokens):
-    """Append the observation of a turn's tool results; False when it leaves no room for another
-    action token (the trajectory ends, "context_budget"), True when the trajectory goes on."""
-    obs_ids, new_messages = env.observation_ids(t.messages, content, [c.result for c in calls], ended_with_eos)
-    if len(t) + len(obs_ids) >= max_context_tokens:
+    """Add a turn's tool results: with the full context append their observation ids to the row;
+    with last_k render the next turn's prompt. False when that leaves no room for another action
+    token (the trajectory ends, "context_budget"), True when the trajectory goes on."""
+    results = [c.result for c in calls]
+    if env.context == "full":
+        obs_ids, new_messages = env.observation_ids(t.messages, content, results, ended_with_eos)
+        next_length = len(t) + len(obs_ids)
+    else:
+        new_messages = turn_messages(content, results)
+        next_prompt = env.step_prompt_ids(t.messages + new_messages, len(t.sample["messages"]))
+        next_length = len(next_prompt)
+    if next_length >= max_context_tokens:
         t.messages.append(new_messages[0])
         t.final_text = content
         t.finish_reason = "context_budget"
         return False
-    t.append(obs_ids, 0)
+    if env.context == "full":
+        t.append(obs_ids, 0)
+    else:
+        t.step_prompts.append(next_prompt)
     t.messages += new_messages
     return True
 
@@ -140,8 +180,9 @@ def run_agent(engine, env, samples, sampling, max_turns, max_context_tokens, see
     engine_s = idle_s = 0.0
 
     def submit(i, turn):
-        budget = min(sampling.max_new_tokens, max_context_tokens - len(trajs[i]))
-        engine.submit(f"{i}-{turn}", trajs[i].prompt_ids + trajs[i].response_ids, sampling, budget, turn_seed(seed, i, turn))
+        prompt = trajs[i].next_prompt_ids()
+        budget = min(sampling.max_new_tokens, max_context_tokens - len(prompt))
+        engine.submit(f"{i}-{turn}", prompt, sampling, budget, turn_seed(seed, i, turn))
         generating[f"{i}-{turn}"] = (i, turn, budget)
 
     for i in range(len(trajs)):
@@ -179,6 +220,7 @@ def rollout_metrics(trajs, seconds=None):
         "reward": sum(t.reward for t in trajs) / n,
         "turns": sum(len(t.turn_spans) for t in trajs) / n,
         "response_tokens": sum(len(t.response_ids) for t in trajs) / n,
+        "context_tokens": sum(max(len(ids) for ids, *_ in t.sequences()) for t in trajs) / n,  # the longest prompt + action
         "action_tokens": action_tokens / n,
         "tool_calls": len(calls) / n,
         "tool_errors": sum(c.error for c in calls) / max(len(calls), 1),
@@ -203,7 +245,7 @@ def scripted_trajectories(env, samples, scripts):
     turn texts of samples[i].
     """
     tokenizer = env.tokenizer
-    trajs = [Trajectory(sample=s, prompt_ids=env.prompt_ids(s["messages"]), messages=list(s["messages"])) for s in samples]
+    trajs = start_trajectories(env, samples, max_context_tokens=float("inf"))
     for turn in range(max(map(len, scripts), default=0)):
         pending = []  # (trajectory, content, calls) whose calls run this turn
         for t, script in zip(trajs, scripts):

@@ -47,13 +47,15 @@ class RolloutConfig:
     top_p: float = opt(1.0, "nucleus sampling")
     max_turns: int = opt(4, "assistant turns per trajectory before it is cut")
     max_new_tokens: int = opt(512, "tokens the model may sample in one turn")
-    max_context_tokens: int = opt(4096, "prompt + response budget of one trajectory")
+    max_context_tokens: int = opt(4096, "prompt + response budget of one trajectory (of one step with context=last_k)")
     max_obs_tokens: int = opt(512, "a tool result is truncated to this many tokens")
     tool_timeout_s: float = opt(10.0, "time limit of one tool call")
     search_top_k: int = opt(3, "passages returned by one search call")
     dtype: Literal["bfloat16", "float16", "float32"] = opt("bfloat16", "engine weights and activations")
     gpu_memory_utilization: float = opt(0.5, "share of GPU memory vLLM may take (weights + KV cache)")
     tensor_parallel_size: int = opt(1, "vLLM tensor parallelism for rollout.py and chat.py (one process, several GPUs); train.py takes 1 only")
+    context: Literal["full", "last_k"] = opt("full", "what a turn sees: full: the whole trajectory, one growing token row; last_k: the system prompt, the question and the last rollout.keep_turns turns, rendered afresh each turn, each turn trained as a sequence of its own (Agent-R1 v0.1's step context)")
+    keep_turns: int = opt(2, "context=last_k: earlier turns (an assistant turn with its tool results) a turn sees")
 
 
 @dataclass
@@ -289,7 +291,7 @@ def validate(cfg):
         need(typ is not float or math.isfinite(values[key]), f"{key}={values[key]}: must be a finite number")
     at_least(1, "data.max_prompt_tokens", "data.num_train", "data.num_val", "rollout.prompts_per_step", "rollout.group_size",
              "rollout.max_turns", "rollout.max_new_tokens", "rollout.max_context_tokens", "rollout.max_obs_tokens", "rollout.search_top_k",
-             "rollout.tensor_parallel_size", "ppo.epochs", "ppo.mini_batch_size", "train.micro_batch_tokens", "train.tis_cap",
+             "rollout.tensor_parallel_size", "rollout.keep_turns", "ppo.epochs", "ppo.mini_batch_size", "train.micro_batch_tokens", "train.tis_cap",
              "eval.num_prompts")
     at_least(0, "steps", "seed", "ppo.clip_low", "ppo.clip_high", "ppo.critic_lr", "ppo.critic_warmup_steps", "grpo.eps", "train.lr",
              "train.weight_decay", "train.warmup_steps", "train.kl_coef", "train.save_every", "train.keep_last", "train.warm_start_steps",
@@ -317,6 +319,9 @@ def validate(cfg):
     need(cfg.algo == "ppo" or cfg.ppo.credit == "token",
          "ppo.credit=step needs algo=ppo: it is how GAE assigns the critic's values, and GRPO has no critic "
          "(every token of a trajectory already shares its advantage)")
+    need(not (cfg.algo == "ppo" and cfg.rollout.context == "last_k" and cfg.ppo.credit == "token"),
+         "rollout.context=last_k with algo=ppo needs ppo.credit=step: each turn is then a sequence of its own, and token-level "
+         "GAE cannot carry a turn's value across to the next turn's sequence; step-level GAE links the turns")
     need((cfg.rollout.prompts_per_step * cfg.rollout.group_size) % cfg.ppo.mini_batch_size == 0,
          f"rollout.prompts_per_step x rollout.group_size ({cfg.rollout.prompts_per_step * cfg.rollout.group_size}) "
          f"must be a multiple of ppo.mini_batch_size ({cfg.ppo.mini_batch_size})")

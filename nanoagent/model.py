@@ -191,17 +191,27 @@ def pad_rows(rows, pad_value, dtype=torch.long):
 
 def collate(trajs, pad_id):
     """
-    Trajectories -> a batch of rows `prompt | response` right-padded to [B, L]. action_mask and
-    rollout_logprobs are laid over the whole row (0 on the prompt and padding), so every
-    per-token tensor shares one index.
+    Trajectories -> a batch of their token rows (Trajectory.sequences: one row `prompt | response`
+    each, or one per turn with context=last_k) right-padded to [R, L]. action_mask and
+    rollout_logprobs are laid over the whole row (0 on the prompt and padding), so every per-token
+    tensor shares one index. "trajectory": [R] the trajectory each row belongs to; "steps": for each
+    trajectory its turns' actions in order, as (row, start, end).
     """
-    rows = [t.prompt_ids + t.response_ids for t in trajs]
+    sequences, owner, steps = [], [], []
+    for i, t in enumerate(trajs):
+        steps.append([])
+        for ids, mask, logprobs, spans in t.sequences():
+            steps[-1] += [(len(sequences), s, e) for s, e in spans]
+            sequences.append((ids, mask, logprobs))
+            owner.append(i)
     return {
-        "input_ids": pad_rows(rows, pad_id),
-        "attention_mask": pad_rows([[1] * len(r) for r in rows], 0),
-        "action_mask": pad_rows([[0] * len(t.prompt_ids) + t.action_mask for t in trajs], 0, torch.float32),
-        "rollout_logprobs": pad_rows([[0.0] * len(t.prompt_ids) + t.rollout_logprobs for t in trajs], 0.0, torch.float32),
-        "lengths": [len(r) for r in rows],
+        "input_ids": pad_rows([ids for ids, _, _ in sequences], pad_id),
+        "attention_mask": pad_rows([[1] * len(ids) for ids, _, _ in sequences], 0),
+        "action_mask": pad_rows([mask for _, mask, _ in sequences], 0, torch.float32),
+        "rollout_logprobs": pad_rows([logprobs for _, _, logprobs in sequences], 0.0, torch.float32),
+        "lengths": [len(ids) for ids, _, _ in sequences],
+        "trajectory": torch.tensor(owner),
+        "steps": steps,
     }
 
 

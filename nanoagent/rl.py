@@ -8,13 +8,14 @@ Everything here respects that mask exactly:
   advantage nor breaks the recursion (the last action token of turn k bootstraps from the value of
   the first action token of turn k+1, with no discount across the observation);
 - step_gae runs it over steps instead (one action = one step, its value read at the state
-  boundary before it), and every token of an action shares the step's advantage;
+  boundary before it), and every token of an action shares the step's advantage; a trajectory's
+  steps may lie in one row or (each turn with its own context) in a row each;
 - grpo_advantages normalises scores within groups of rollouts of the same prompt, and
   uniform_groups finds the groups whose scores are all equal (no signal: DAPO drops them);
 - ppo_policy_loss / clipped_value_loss return per-token losses, zero where mask = 0;
 - aggregate_loss turns per-token losses into this micro-batch's share of one global scalar, so the
   gradient does not depend on how a batch is split into micro-batches and ranks.
-Shapes: B = rows (trajectories), T = tokens per row, V = vocabulary.
+Shapes: B = rows (trajectories, or their turns), T = tokens per row, V = vocabulary.
 """
 
 import torch
@@ -68,13 +69,15 @@ def masked_gae(rewards, values, mask, gamma, lam):
 
 
 @torch.no_grad()
-def step_gae(rewards, values, mask, spans, gamma, lam):
+def step_gae(rewards, values, mask, steps, gamma, lam):
     """
     Generalised advantage estimation over steps (Agent-R1 v0.1's step-level MDP): a step is one
-    action, its state everything the policy read before it. spans[b]: the [start, end) positions of
-    row b's actions in the row, in order (start >= 1). For step k of a row:
-      V(s_k) = values[start_k - 1], the value at the state boundary (the prompt's or the
-               observation's last token); V after the last step is 0;
+    action, its state everything the policy read before it. steps[n]: trajectory n's steps in order,
+    each (row, start, end), the [start, end) positions of its action in that row (start >= 1): all in
+    one row (one growing row per trajectory), or each in a row of its own (each turn with its own
+    context). For step k of a trajectory:
+      V(s_k) = values[row_k, start_k - 1], the value at the state boundary (the last token the
+               policy read before the action); V after the last step is 0;
       r_k    = the rewards summed over the action's tokens;
       delta_k = r_k + gamma * V(s_{k+1}) - V(s_k);  A_k = delta_k + gamma * lam * A_{k+1}.
     rewards, values, mask: [B, T] float; values are read at the boundaries only. Returns
@@ -82,26 +85,29 @@ def step_gae(rewards, values, mask, spans, gamma, lam):
     mask = 0); returns A_k + V(s_k) at step k's boundary token, where value_mask is 1 (a step with
     an action token to train), for a value loss taken at the boundaries only.
     """
-    assert rewards.shape == values.shape == mask.shape and rewards.dim() == 2 and len(spans) == len(rewards), "expect [B, T] tensors"
+    assert rewards.shape == values.shape == mask.shape and rewards.dim() == 2, "expect [B, T] tensors"
     mask = mask.to(values.dtype)
     if torch.any((rewards != 0) & (mask == 0)):
         raise ValueError("step_gae: a non-zero reward sits on a mask-0 token; rewards belong on action tokens")
+    covered = torch.zeros_like(mask)
+    for n, trajectory in enumerate(steps):
+        for k, (row, start, end) in enumerate(trajectory):
+            if not (0 <= row < len(mask) and 1 <= start < end <= mask.shape[1]):
+                raise ValueError(f"step_gae: trajectory {n}'s step {(row, start, end)} is not a [start, end) span after a row's first token")
+            if k and trajectory[k - 1][0] == row and trajectory[k - 1][2] > start:
+                raise ValueError(f"step_gae: trajectory {n}'s steps {trajectory} are not in order within their row")
+            covered[row, start:end] += 1
+    if torch.any(covered > 1) or torch.any(mask * (covered == 0) > 0):
+        raise ValueError("step_gae: the steps overlap, or miss action tokens: every action token must be in exactly one step")
     advantages, returns, value_mask = torch.zeros_like(values), torch.zeros_like(values), torch.zeros_like(values)
-    for b, row_spans in enumerate(spans):
-        covered = torch.zeros_like(mask[b])
-        for (start, end), (next_start, _) in zip(row_spans, list(row_spans[1:]) + [(None, None)]):
-            if not 1 <= start < end <= (next_start or mask.shape[1]):
-                raise ValueError(f"step_gae: row {b}'s action spans {row_spans} are not increasing [start, end) spans after the prompt")
-            covered[start:end] = 1
-        if torch.any(mask[b] * (1 - covered) > 0):
-            raise ValueError(f"step_gae: row {b} has action tokens outside its spans {row_spans}")
+    for trajectory in steps:
         next_value = next_adv = 0.0
-        for start, end in reversed(row_spans):
-            value = values[b, start - 1]
-            adv = rewards[b, start:end].sum() + gamma * next_value - value + gamma * lam * next_adv
-            advantages[b, start:end] = adv * mask[b, start:end]
-            if mask[b, start:end].any():
-                returns[b, start - 1], value_mask[b, start - 1] = adv + value, 1.0
+        for row, start, end in reversed(trajectory):
+            value = values[row, start - 1]
+            adv = rewards[row, start:end].sum() + gamma * next_value - value + gamma * lam * next_adv
+            advantages[row, start:end] = adv * mask[row, start:end]
+            if mask[row, start:end].any():
+                returns[row, start - 1], value_mask[row, start - 1] = adv + value, 1.0
             next_value, next_adv = value, adv
     return advantages, returns, value_mask
 

@@ -119,7 +119,8 @@ def _start(tool, arguments):
 class ToolEnv:
     """
     Runs tool calls (execute, start), cuts their results to a token budget (truncate) and renders
-    them as observation tokens (observation_ids).
+    them as observation tokens (observation_ids), or with context=last_k renders what the next turn
+    sees (step_prompt_ids).
 
     A call past its time limit is abandoned, not stopped: a Python thread cannot be killed, and the
     tools that matter here (search over an in-memory index and encoder) cannot move to a process that
@@ -130,9 +131,13 @@ class ToolEnv:
     serves again as soon as its abandoned calls end.
     """
 
-    def __init__(self, tools, tokenizer, max_obs_tokens=512, timeout_s=10.0, workers=4, max_abandoned=8):
+    def __init__(self, tools, tokenizer, max_obs_tokens=512, timeout_s=10.0, context="full", keep_turns=2, workers=4, max_abandoned=8):
+        if context not in ("full", "last_k") or keep_turns < 1:
+            raise ValueError(f"context={context!r}, keep_turns={keep_turns}: context is full or last_k, keep_turns >= 1")
         self.tools = {t.name: t for t in tools}
         self.tokenizer = tokenizer
+        self.context = context        # what a turn sees: the whole trajectory, or (last_k) the prompt and the last keep_turns turns
+        self.keep_turns = keep_turns
         self.max_obs_tokens = max_obs_tokens
         self.timeout_s = timeout_s
         self.workers = workers
@@ -307,7 +312,7 @@ class ToolEnv:
         if not with_turn.startswith(before + content):
             raise ValueError("the chat template does not render assistant content verbatim after the generation "
                              "prompt; token-in/token-out trajectories need a template that does")
-        new_messages = [assistant] + [{"role": "tool", "content": r} for r in tool_results]
+        new_messages = turn_messages(content, tool_results)
         after = self.render(messages + new_messages, add_generation_prompt=True)
         if not after.startswith(with_turn):
             raise ValueError("the chat template re-renders earlier turns when tool messages are added")
@@ -317,6 +322,25 @@ class ToolEnv:
                 raise ValueError("the chat template does not close an assistant turn with the EOS token")
             text = text[len(self.tokenizer.eos_token):]
         return self.tokenizer.encode(text, add_special_tokens=False), new_messages
+
+    def step_messages(self, messages, n_prompt):
+        """
+        What the next turn sees of a conversation under context=last_k: its first n_prompt messages
+        (the system prompt and the question) and its last keep_turns turns, a turn being an assistant
+        message with the tool results that answered it. Older turns are left out whole.
+        """
+        starts = [i for i in range(n_prompt, len(messages)) if messages[i]["role"] == "assistant"]
+        first = starts[-self.keep_turns] if len(starts) > self.keep_turns else n_prompt
+        return messages[:n_prompt] + messages[first:]
+
+    def step_prompt_ids(self, messages, n_prompt):
+        """The prompt ids of the next turn under context=last_k, rendered afresh (step_messages)."""
+        return self.prompt_ids(self.step_messages(messages, n_prompt))
+
+
+def turn_messages(content, tool_results):
+    """The messages one turn adds to a conversation: the assistant's, then one per tool result."""
+    return [{"role": "assistant", "content": content}] + [{"role": "tool", "content": r} for r in tool_results]
 
 
 # -----------------------------------------------------------------------------

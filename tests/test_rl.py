@@ -107,9 +107,9 @@ def test_step_gae_hand_computed():
     #            p   p   p   a0  a0  o   a1  a1  a1  pad pad
     mask = [[0., 0., 1., 1., 1., 0., 0., 1., 0., 1., 1.],
             [0., 0., 0., 1., 1., 0., 1., 1., 1., 0., 0.]]
-    spans = [[(2, 5), (7, 8), (9, 11)], [(3, 5), (6, 9)]]
+    steps = [[(0, 2, 5), (0, 7, 8), (0, 9, 11)], [(1, 3, 5), (1, 6, 9)]]
     gamma, lam = 0.9, 0.8
-    adv, ret, vmask = rl.step_gae(torch.tensor(rewards), torch.tensor(values), torch.tensor(mask), spans, gamma, lam)
+    adv, ret, vmask = rl.step_gae(torch.tensor(rewards), torch.tensor(values), torch.tensor(mask), steps, gamma, lam)
     # row 0, by hand: V(s) = [0.4, 0.2, 0.6] (the tokens before each action), r = [0.1, 0.1, 1.0]
     d2 = 1.0 + 0.0 - 0.6
     d1 = 0.1 + 0.9 * 0.6 - 0.2
@@ -132,24 +132,54 @@ def test_step_gae_with_one_token_steps_is_textbook_gae_over_steps():
     step_rewards, step_values = torch.randn(K, generator=g), torch.randn(K, generator=g)
     T = 2 * K
     rewards, values, mask = torch.zeros(1, T), torch.randn(1, T, generator=g), torch.zeros(1, T)
-    spans = [[(2 * k + 1, 2 * k + 2) for k in range(K)]]
-    for k, (start, _) in enumerate(spans[0]):
+    steps = [[(0, 2 * k + 1, 2 * k + 2) for k in range(K)]]
+    for k, (_, start, _) in enumerate(steps[0]):
         rewards[0, start], values[0, start - 1], mask[0, start] = step_rewards[k], step_values[k], 1.0
-    adv, ret, _ = rl.step_gae(rewards, values, mask, spans, 0.97, 0.9)
+    adv, ret, _ = rl.step_gae(rewards, values, mask, steps, 0.97, 0.9)
     expected = torch.tensor(textbook_gae(step_rewards.tolist(), step_values.tolist(), 0.97, 0.9))
     torch.testing.assert_close(adv[0, 1::2], expected)
     torch.testing.assert_close(ret[0, 0::2], expected + step_values)
 
 
-def test_step_gae_refuses_spans_that_miss_actions_and_dropped_rows_are_zero():
+def test_step_gae_refuses_steps_that_miss_or_overlap_actions_and_dropped_rows_are_zero():
     rewards, values = torch.zeros(2, 6), torch.ones(2, 6)
     mask = torch.tensor([[0., 1, 1, 0, 1, 1], [0., 0, 0, 0, 0, 0]])
-    with pytest.raises(ValueError, match="outside its spans"):
-        rl.step_gae(rewards, values, mask, [[(1, 3)], []], 1.0, 1.0)
-    with pytest.raises(ValueError, match="not increasing"):
-        rl.step_gae(rewards, values, mask, [[(4, 6), (1, 3)], []], 1.0, 1.0)
-    adv, ret, vmask = rl.step_gae(rewards, values, mask * torch.tensor([[1.], [0.]]), [[(1, 3), (4, 6)], [(1, 3)]], 1.0, 1.0)
+    with pytest.raises(ValueError, match="miss action tokens"):
+        rl.step_gae(rewards, values, mask, [[(0, 1, 3)], []], 1.0, 1.0)
+    with pytest.raises(ValueError, match="overlap"):
+        rl.step_gae(rewards, values, mask, [[(0, 1, 3), (0, 4, 6)], [(0, 4, 6)]], 1.0, 1.0)  # two trajectories claim one action
+    with pytest.raises(ValueError, match="not in order"):
+        rl.step_gae(rewards, values, mask, [[(0, 4, 6), (0, 1, 3)], []], 1.0, 1.0)
+    with pytest.raises(ValueError, match="after a row's first token"):
+        rl.step_gae(rewards, values, mask, [[(0, 0, 3), (0, 4, 6)], []], 1.0, 1.0)
+    adv, ret, vmask = rl.step_gae(rewards, values, mask * torch.tensor([[1.], [0.]]), [[(0, 1, 3), (0, 4, 6)], [(1, 1, 3)]], 1.0, 1.0)
     assert not adv[1].any() and not ret[1].any() and not vmask[1].any()  # a row left out of the update (mask 0)
+
+
+def test_step_gae_over_a_row_per_turn_is_step_gae_over_one_row():
+    """With each turn in a row of its own (rollout.context=last_k) the recursion links the rows: the
+    same values at the boundaries and the same rewards give the same advantages and returns as the one
+    growing row, whatever the turns' prompts hold."""
+    g = torch.Generator().manual_seed(1)
+    one = {"rewards": torch.zeros(1, 14), "values": torch.randn(1, 14, generator=g), "mask": torch.zeros(1, 14)}
+    spans = [(3, 5), (7, 10), (12, 14)]  # prompt 0-2, obs 5-6 and 10-11
+    for s, e in spans:
+        one["mask"][0, s:e] = 1
+        one["rewards"][0, s:e] = torch.randn(e - s, generator=g)
+    split = {k: torch.zeros(3, 9) for k in one}
+    steps = []
+    for k, (s, e) in enumerate(spans):  # each turn after a prompt of its own, 4 tokens, whose last token holds the value
+        split["values"][k] = torch.randn(9, generator=g)
+        split["values"][k, 3] = one["values"][0, s - 1]
+        split["rewards"][k, 4:4 + e - s], split["mask"][k, 4:4 + e - s] = one["rewards"][0, s:e], 1
+        steps.append((k, 4, 4 + e - s))
+    adv, ret, vmask = rl.step_gae(one["rewards"], one["values"], one["mask"], [[(0, s, e) for s, e in spans]], 0.95, 0.9)
+    adv_split, ret_split, vmask_split = rl.step_gae(split["rewards"], split["values"], split["mask"], [steps], 0.95, 0.9)
+    for k, (s, e) in enumerate(spans):
+        torch.testing.assert_close(adv_split[k, 4:4 + e - s], adv[0, s:e])
+        torch.testing.assert_close(ret_split[k, 3], ret[0, s - 1])
+        assert vmask_split[k].tolist() == [0, 0, 0, 1, 0, 0, 0, 0, 0] and vmask[0, s - 1] == 1
+    assert adv_split[:, :4].abs().sum() == 0 and adv_split[split["mask"] == 0].abs().sum() == 0
 
 
 # ----------------------------------------------------------------------------- grpo

@@ -149,6 +149,76 @@ def test_engine_logprobs_match_transformers(engine, env, scripted_dir):
         assert diff <= 1e-4, (traj.sample["id"], diff)
 
 
+def last_k_env(env, keep_turns):
+    return ToolEnv(list(env.tools.values()), env.tokenizer, env.max_obs_tokens, env.timeout_s, context="last_k", keep_turns=keep_turns)
+
+
+def visible_turns(traj, turn, keep_turns):
+    """The conversation turn `turn` should have seen under last_k, rebuilt from the messages by hand:
+    the prompt's messages, then the last keep_turns (assistant message + its tool results) groups."""
+    n_prompt = len(traj.sample["messages"])
+    groups = []
+    for m in traj.messages[n_prompt:]:
+        if m["role"] == "assistant":
+            groups.append([])
+        groups[-1].append(m)
+    return traj.sample["messages"] + [m for g in groups[max(0, turn - keep_turns):turn] for m in g]
+
+
+def test_last_k_context_is_token_exact_per_step_and_bounded(engine, env, scripted_dir):
+    """rollout.context=last_k: each turn is sampled from the prompt the environment renders for it
+    (the system prompt, the question, the last K turns) and trained as the pair (that prompt, the
+    ids it sampled): the greedy engine replays every action from its prompt, the trainer's
+    logprobs over the pair are the engine's, and on the endless-calculation script, which needs
+    more turns than K, the prompt stops growing while the full context keeps growing."""
+    tok, K = env.tokenizer, 1
+    lastk = last_k_env(env, K)
+    model = AutoModelForCausalLM.from_pretrained(scripted_dir, dtype=torch.float32)
+    greedy = run_agent(engine, lastk, samples(), GREEDY, max_turns=6, max_context_tokens=MAX_CONTEXT)
+    sampled = run_agent(engine, lastk, samples(), SamplingConfig(max_new_tokens=48, temperature=0.7), max_turns=6,
+                        max_context_tokens=MAX_CONTEXT, seed=3)
+    for traj in greedy + sampled:
+        assert len(traj.step_prompts) == len(traj.turn_spans) and all(traj.action_mask)  # actions only: observations live in prompts
+        for turn, prompt in enumerate(traj.step_prompts):
+            assert prompt == tok.encode(env.render(visible_turns(traj, turn, K), add_generation_prompt=True), add_special_tokens=False)
+    for traj in greedy:  # the engine samples the same action again from the step's prompt
+        for ids, mask, _, [(s, e)] in traj.sequences():
+            assert mask == [0] * s + [1] * (e - s)
+            [replay] = engine.generate([ids[:s]], GREEDY, [e - s])
+            assert replay.token_ids == ids[s:e]
+    for traj in sampled:  # the trainer's logprobs over each (prompt, action) row are the engine's
+        for ids, _, logprobs, [(s, e)] in traj.sequences():
+            with torch.no_grad():
+                logits = model(torch.tensor([ids])).logits[0, s - 1:e - 1].float() / 0.7
+            trainer = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[s:e])[:, None]).squeeze(-1)
+            assert (torch.tensor(logprobs[s:e]) - trainer).abs().max() <= 1e-4
+    assert sum(len(t.turn_spans) > K for t in sampled) >= 2
+    endless = greedy[list(scripted.SCRIPTS).index("Keep calculating.")]
+    assert endless.finish_reason == "max_turns" and len(endless.turn_spans) == 6 > K
+    lengths = [len(p) for p in endless.step_prompts]
+    assert lengths[0] < lengths[1] and len(set(lengths[1:])) == 1  # the question, then the question and the last turn
+    [full] = run_agent(engine, env, [samples()[list(scripted.SCRIPTS).index("Keep calculating.")]], GREEDY, max_turns=6,
+                       max_context_tokens=MAX_CONTEXT)
+    full_lengths = [len(full.prompt_ids) + s for s, _ in full.turn_spans]
+    assert full_lengths[:2] == lengths[:2] and full_lengths[-1] > 2 * lengths[-1] - full_lengths[0]  # full keeps growing
+    # a context budget counts the step's prompt, not the whole trajectory: one that the full context
+    # outgrows on its fourth turn lets last_k run all six
+    budget = full_lengths[3]
+    [cut] = run_agent(engine, env, [full.sample], GREEDY, max_turns=6, max_context_tokens=budget)
+    [bounded] = run_agent(engine, lastk, [full.sample], GREEDY, max_turns=6, max_context_tokens=budget)
+    assert cut.finish_reason == "context_budget" and bounded.finish_reason == "max_turns" and len(bounded.turn_spans) == 6
+
+
+def test_last_k_that_keeps_every_turn_sees_the_full_context(engine, env, greedy_trajs):
+    """With K at least the number of turns nothing is left out, and each turn's freshly rendered
+    prompt is token for token the full context's row before that turn."""
+    lastk = run_agent(engine, last_k_env(env, 6), samples(), GREEDY, max_turns=4, max_context_tokens=MAX_CONTEXT)
+    for traj in lastk:
+        full = greedy_trajs[traj.sample["id"]]
+        assert [full.prompt_ids + full.response_ids[:s] for s, _ in full.turn_spans] == traj.step_prompts
+        assert [full.response_ids[s:e] for s, e in full.turn_spans] == [traj.response_ids[s:e] for s, e in traj.turn_spans]
+
+
 def test_load_weights_switches_generation_and_logprobs(engine, env, tiny_model_dir, scripted_dir):
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     memorised = AutoModelForCausalLM.from_pretrained(scripted_dir, dtype=torch.float32)

@@ -94,12 +94,15 @@ def test_bf16_critic_forward_and_backward(process_group, tiny_model_dir):
     assert critic.value_head.weight.grad.dtype == torch.float32 and critic.value_head.weight.grad.full_tensor().abs().sum() > 0
 
 
-def update_batch(tokenizer, n=6):
+def update_batch(tokenizer, n=6, context="full"):
     """A batch as train.py builds it, from scripted arithmetic trajectories (no engine needed)."""
-    env = ToolEnv([calculator_tool()], tokenizer)
+    env = ToolEnv([calculator_tool()], tokenizer, context=context, keep_turns=1)
     rows = arithmetic.make_prompts(n, 0, "train")
     trajs = scripted_trajectories(env, rows, [arithmetic.demonstration(row, random.Random(i)) for i, row in enumerate(rows)])
+    for i, t in enumerate(trajs):
+        t.reward = (i % 3) / 2
     batch = collate(trajs, pad_token_id(tokenizer))
+    batch["rewards"] = train.token_rewards(trajs, batch, tool_call_reward=0.1)
     batch["old_logprobs"] = torch.zeros_like(batch["action_mask"])
     batch["advantages"] = torch.randn(batch["action_mask"].shape) * batch["action_mask"]
     return batch
@@ -215,3 +218,42 @@ def test_step_credit_trains_the_critic_at_the_state_boundaries_only(process_grou
     rows = list(range(len(batch["lengths"])))
     shares, _ = train.update_critic(critic, torch.optim.SGD(critic.parameters(), lr=0.0), batch, rows, cfg, 1, CPU)
     assert shares["vf_loss"] == pytest.approx((expected.sum() / boundaries.sum()).item(), rel=1e-4)
+
+
+def test_a_row_per_turn_trains_like_one_row_when_nothing_is_left_out(process_group, tiny_model_dir):
+    """rollout.context=last_k with K=1 on two-turn trajectories leaves nothing out: each turn's row is
+    its prefix of the one full-context row. The trainer must then see the same thing: the same
+    logprobs and values on each turn's tokens, the same step-level advantages and returns (step_gae
+    linking the rows of a trajectory), the same GRPO advantages, and the same policy update (a token
+    mean over all rows of the mini-batch)."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = make_config("tiny", ["algo=ppo", "ppo.credit=step", "train.micro_batch_tokens=400"])
+    config, weights = training_config(tiny_model_dir), read_weights(tiny_model_dir)
+    critic = build_critic(config, weights, CPU, torch.float32, False)
+    batches, updated = {}, {}
+    for context in ("full", "last_k"):
+        batch = batches[context] = update_batch(tok, context=context)
+        rows = list(range(len(batch["lengths"])))
+        policy = build_policy(config, weights, CPU, torch.float32, False)
+        batch["old_logprobs"] = train.forward_all(lambda i, a: policy_forward(policy, i, a)[0], batch, rows, 400, CPU) * batch["action_mask"]
+        values = train.forward_all(lambda i, a: critic_forward(critic, i, a), batch, rows, 400, CPU)
+        batch["step_advantages"], batch["returns"], batch["value_mask"] = rl.step_gae(batch["rewards"], values, batch["action_mask"],
+                                                                                      batch["steps"], 0.9, 0.8)
+        batch["values"] = values * batch["value_mask"]
+        scores = torch.zeros(len(batch["steps"])).index_add_(0, batch["trajectory"], batch["rewards"].sum(-1))
+        batch["advantages"] = rl.grpo_advantages(scores, torch.tensor([0, 0, 0, 1, 1, 1]))[batch["trajectory"]][:, None] * batch["action_mask"]
+        batch["shares"], _ = train.update_policy(policy, torch.optim.SGD(policy.parameters(), lr=1.0), batch, rows, cfg, 1, CPU)
+        updated[context] = dict(policy.named_parameters())
+    full, lastk = batches["full"], batches["last_k"]
+    assert len(full["lengths"]) == 6 and len(lastk["lengths"]) == sum(map(len, full["steps"])) > 6  # several two-turn trajectories
+    for full_steps, lastk_steps in zip(full["steps"], lastk["steps"]):
+        for (fr, fs, fe), (lr, ls, le) in zip(full_steps, lastk_steps, strict=True):
+            assert fs == ls and torch.equal(full["input_ids"][fr, :fe], lastk["input_ids"][lr, :le])  # the same tokens
+            for key, tol in (("old_logprobs", 1e-5), ("step_advantages", 1e-5), ("advantages", 0)):
+                torch.testing.assert_close(lastk[key][lr, ls:le], full[key][fr, fs:fe], atol=tol, rtol=tol)
+            torch.testing.assert_close(lastk["returns"][lr, ls - 1], full["returns"][fr, fs - 1], atol=1e-5, rtol=1e-5)
+    assert lastk["step_advantages"].abs().sum() > 0 and lastk["advantages"].abs().sum() > 0
+    assert lastk["shares"]["pg_loss"] == pytest.approx(full["shares"]["pg_loss"], abs=1e-6)
+    assert lastk["shares"]["entropy"] == pytest.approx(full["shares"]["entropy"], rel=1e-5)
+    for name, param in updated["full"].items():
+        torch.testing.assert_close(updated["last_k"][name], param, atol=1e-6, rtol=1e-5)

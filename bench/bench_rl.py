@@ -31,13 +31,14 @@ def main():
         t = median_time(lambda: rl.masked_gae(rewards, values, mask, 1.0, 1.0))
         print(f"masked_gae B={B} T={T}: {t * 1e3:.1f} ms ({B * T / t / 1e6:.2f} M tokens/s)")
         turns = T // 5  # prompt, then 4 turns of action (3/4 of the turn) and observation
-        spans = [[(turns * (k + 1), turns * (k + 1) + 3 * turns // 4) for k in range(4)]] * B
+        spans = [(turns * (k + 1), turns * (k + 1) + 3 * turns // 4) for k in range(4)]
+        steps = [[(b, start, end) for start, end in spans] for b in range(B)]
         step_mask = torch.zeros(B, T, device=DEVICE)
-        for start, end in spans[0]:
+        for start, end in spans:
             step_mask[:, start:end] = 1.0
         step_rewards = torch.zeros(B, T, device=DEVICE)
-        step_rewards[:, spans[0][-1][1] - 1] = 1.0
-        ts = median_time(lambda: rl.step_gae(step_rewards, values, step_mask, spans, 1.0, 1.0))
+        step_rewards[:, spans[-1][1] - 1] = 1.0
+        ts = median_time(lambda: rl.step_gae(step_rewards, values, step_mask, steps, 1.0, 1.0))
         print(f"step_gae B={B} T={T}, 4 turns per row: {ts * 1e3:.1f} ms ({ts / t:.2f}x masked_gae)")
     scores = torch.rand(4096, device=DEVICE)
     groups = torch.arange(4096, device=DEVICE) // 8

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -112,6 +113,26 @@ def test_resume_gives_the_same_next_step(tmp_path):
     assert f"moved aside to {aside}" in out and "resumed from" not in out
     assert os.listdir(tmp_path / "b" / "checkpoints") == ["step_000001"] and [m["step"] for m in fresh] == [1]
     assert sorted(os.listdir(aside / "checkpoints")) == ["step_000002", "step_000003"]
+
+
+def test_last_k_context_trains_on_two_ranks_and_resumes(tmp_path):
+    """rollout.context=last_k with PPO's step-level GAE on 2 ranks: each turn a row of its own (a
+    trajectory's rows stay in one mini-batch), the engine's logprobs are the trainer's on every row,
+    and a run resumed from its step-2 checkpoint takes the same step 3."""
+    lastk = ["algo=ppo", "ppo.credit=step", "rollout.context=last_k", "rollout.keep_turns=1", "rollout.max_turns=3",
+             "train.entropy_coef=0.01", "train.kl_mode=reward"]
+    _, straight = train(tmp_path / "a", *lastk, "steps=3", "train.save_every=2")
+    steps = [m for m in straight if m["step"] >= 1]
+    assert all(m["engine_logprob_diff"] <= 1e-4 and m["policy_updates"] == 2 and m["vf_loss"] > 0 for m in steps), steps
+    assert max(m["turns"] for m in steps) > 1  # some trajectories have several turns, hence several rows
+    # resume from step 2: the run copied, without its step-3 checkpoint
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "step_000003")
+    out, resumed = train(tmp_path / "b", *lastk, "steps=3")
+    assert "resumed from" in out and "step_000002" in out
+    [step3] = [m for m in resumed if m["step"] == 3]
+    for k in ["reward", "pg_loss", "vf_loss", "grad_norm", "vf_grad_norm", "context_tokens", "entropy"]:
+        assert step3[k] == pytest.approx(steps[2][k], rel=1e-5, abs=1e-7), k
 
 
 def test_nan_loss_skips_the_update_and_is_logged(tmp_path):

@@ -36,6 +36,7 @@ def test_defaults_presets_and_overrides():
     ("data.bad_prompts=skip", "valid: refuse, drop"),
     ("ppo.credit=turn", "valid: token, step"),
     ("ppo.credit=step", "ppo.credit=step needs algo=ppo"),
+    ("rollout.context=last_3", "valid: full, last_k"),
     ("steps", "expected key=value"),
 ])
 def test_bad_overrides_are_refused_with_the_key(override, message):
@@ -50,6 +51,7 @@ def test_bad_overrides_are_refused_with_the_key(override, message):
     ("train.lr=inf", r"train.lr=inf: must be a finite number"),
     ("train.kl_coef=nan", r"train.kl_coef=nan: must be a finite number"),
     ("rollout.tensor_parallel_size=0", r"rollout.tensor_parallel_size=0: must be >= 1"),
+    ("rollout.keep_turns=0", r"rollout.keep_turns=0: must be >= 1"),
     ("rollout.top_p=1.5", r"rollout.top_p=1.5: must be in \(0, 1\]"),
     ("ppo.gamma=1.01", r"ppo.gamma=1.01: must be in \[0, 1\]"),
     ("seed=4294967296", r"seed=4294967296: must be < 2\*\*31"),
@@ -57,6 +59,13 @@ def test_bad_overrides_are_refused_with_the_key(override, message):
 def test_out_of_range_values_are_refused_with_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         make_config("tiny", [override])
+
+
+def test_a_context_per_turn_needs_step_level_credit_with_ppo():
+    with pytest.raises(ConfigError, match="rollout.context=last_k with algo=ppo needs ppo.credit=step"):
+        make_config("tiny", ["algo=ppo", "rollout.context=last_k"])
+    assert make_config("tiny", ["algo=ppo", "rollout.context=last_k", "ppo.credit=step"]).rollout.context == "last_k"
+    assert make_config("tiny", ["rollout.context=last_k"]).algo == "grpo"  # GRPO: every turn shares the trajectory's advantage
 
 
 def test_every_number_has_a_range_and_every_float_is_finite():

@@ -86,15 +86,23 @@ def ask(engine, env, messages, question, sampling, max_turns, max_context):
     return traj
 
 
-def show(console, traj):
+def show(console, traj, keep_turns=None):
     """The panels of one answer: for each assistant turn its reasoning, its tool calls with their
-    results, and the answer; what the model or a tool wrote goes through printable."""
+    results, and the answer; what the model or a tool wrote goes through printable. keep_turns:
+    with rollout.context=last_k, each turn first says what it saw (the question and which earlier
+    turns, in how many tokens)."""
     from rich.panel import Panel
     from rich.text import Text
 
     from nanoagent.reward import ANSWER_RE, extract_answer
     turns = [m["content"] for m in traj.messages[len(traj.sample["messages"]):] if m["role"] == "assistant"]
     for turn, content in enumerate(turns):
+        if keep_turns is not None and turn < len(traj.step_prompts):
+            seen = list(range(max(0, turn - keep_turns) + 1, turn + 1))  # the earlier turns it saw, 1-based
+            saw = "the prompt" + (f" and turn {seen[0]}" if len(seen) == 1 else f" and turns {seen[0]}-{seen[-1]}" if seen else "")
+            dropped = turn - len(seen)
+            left_out = f", {dropped} earlier turn{'s' if dropped > 1 else ''} left out" if dropped else ""
+            console.print(Text(f"(step {turn + 1} saw {saw}{left_out}: {len(traj.step_prompts[turn])} tokens)", style="dim"))
         calls = [c for c in traj.tool_calls if c.turn == turn]
         answer = extract_answer(content)
         blocks = CALL_BLOCK_RE.findall(content)
@@ -189,7 +197,7 @@ def main(argv=None):
             traj = ask(engine, env, messages, wording.format(question), sampling, cfg.rollout.max_turns, max_context)
         if len(traj.sample["messages"]) <= len(messages):  # ask started over
             console.print(Text("(the conversation outgrew the context budget: it starts over from this question)", style="dim"))
-        show(console, traj)
+        show(console, traj, cfg.rollout.keep_turns if cfg.rollout.context == "last_k" else None)
         messages = traj.messages
 
     if args.question is not None:

@@ -104,6 +104,20 @@ def test_panels_show_reasoning_calls_results_errors_and_answer(env):
     assert out.count("tool call") == 2 and out.count("calculator result") == 1 and "(stopped: the agent used all its turns" in out
 
 
+def test_panels_say_what_each_step_saw_with_a_context_per_step(env):
+    t = panel_trajectory(env, [scripted.call("calculator", {"expression": "1+1"})] * 3 + ["<answer>2</answer>"], "answer")
+    t.step_prompts = [[0] * n for n in (40, 60, 61, 61)]
+    console = Console(file=StringIO(), width=100, color_system=None)
+    chat.show(console, t, keep_turns=1)
+    out = console.file.getvalue()
+    lines = ["(step 1 saw the prompt: 40 tokens)", "(step 2 saw the prompt and turn 1: 60 tokens)",
+             "(step 3 saw the prompt and turn 2, 1 earlier turn left out: 61 tokens)",
+             "(step 4 saw the prompt and turn 3, 2 earlier turns left out: 61 tokens)"]
+    at = [out.index(line) for line in lines]
+    assert at == sorted(at) and out.index("tool call") > at[0] and out.index("answer") > at[-1]
+    assert "saw" not in render(t)  # the full context: nothing to say
+
+
 def test_panels_escape_control_characters_and_show_markup_as_text(env):
     """What the model or a tool writes cannot move the cursor, recolour or retitle the terminal (its
     control characters are shown escaped), nor style the panels (rich markup in it is shown as written)."""
@@ -127,6 +141,13 @@ def test_question_answers_once_through_a_tool_call(chat_model):
     assert "\x1b[" not in out and out.lstrip().startswith("╭─ tool call")
     at = [out.index('calculator({"expression": "12*7"})'), out.index("calculator result"), out.index("answer")]
     assert at == sorted(at) and "84" in out[at[1]:at[2]] and "84" in out[at[2]:]
+    # with a context per step, each step says what it saw (the fallback engine: no second vLLM start)
+    proc = subprocess.run(CHAT + ["--model", chat_model, "--system", SYSTEM, "--engine", "hf", "--question", QUESTION,
+                                  "data.task=arithmetic", "rollout.context=last_k", "rollout.keep_turns=1"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.index("(step 1 saw the prompt: ") < out.index("tool call") < out.index("(step 2 saw the prompt and turn 1: ") < out.index("answer")
 
 
 def spawn_chat(*args):

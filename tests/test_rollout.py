@@ -284,6 +284,16 @@ def test_rollout_cli_writes_trajectories_and_metrics(scripted_dir, index_dir, tm
         assert r["finish_reason"] in ("answer", "truncated", "context_budget", "max_turns") and set(r["scores"]) == {"em", "substring_em", "f1", "format"}
         assert r["reward"] == r["scores"]["em"] + 0.5 * r["scores"]["format"]
     assert "em " in proc.stdout and "format " in proc.stdout and "finish/answer" in proc.stdout and "action_tokens_per_s" in proc.stdout
+    # a context per step: each trajectory also holds the prompt each turn was sampled from (the fallback engine, greedy)
+    proc = subprocess.run([sys.executable, "rollout.py", "--model", scripted_dir, "--data", str(data), "--out", str(out),
+                           "--tools", "calculator,search", "--index", index_dir, "--greedy", "--config", "tiny", "rollout.engine=hf",
+                           "rollout.max_turns=3", "reward.format_weight=0.5", "rollout.context=last_k", "rollout.keep_turns=1"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last_k = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["scores"] for r in last_k] == [r["scores"] for r in rows]  # two turns at most: K=1 leaves nothing out
+    for r in last_k:
+        assert len(r["step_prompt_ids"]) == r["turns"] and r["step_prompt_ids"][0] == r["prompt_ids"] and all(r["action_mask"])
     bad = subprocess.run([sys.executable, "rollout.py", "--model", scripted_dir, "--data", str(tmp_path / "missing.parquet")],
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "does not exist" in bad.stderr

@@ -23,7 +23,7 @@ endif
 	$(PY) -c "import torch, transformers, vllm, faiss; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__, '| $(VARIANT)')"
 
 test:
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 test-fast:
 	$(PY) -m pytest -q -m "not slow"

@@ -1,7 +1,8 @@
 """
 Training speed (prints figures; asserts nothing).
 
-    python bench/bench_train.py                 # CPU: the tiny config end to end, time per phase (grpo, ppo, ppo.credit=step)
+    python bench/bench_train.py                 # CPU: the tiny config end to end, time per phase (grpo, ppo, ppo.credit=step,
+                                                #   each turn with its own context: rollout.context=last_k)
     python bench/bench_train.py --update-only   # GPU: update tokens/s and MFU, Qwen2.5-1.5B shape
 
 1. End to end (CPU or GPU): runs train.py on the tiny preset for a few steps in a subprocess and
@@ -26,13 +27,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def end_to_end(steps, algo, nproc, credit="token"):
+def end_to_end(steps, algo, nproc, credit="token", context="full"):
     run_dir = tempfile.mkdtemp()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
            os.path.join(ROOT, "train.py"), "--config=tiny", f"algo={algo}", f"ppo.credit={credit}", f"steps={steps}", f"run_dir={run_dir}",
+           f"rollout.context={context}", "rollout.keep_turns=1",
            "train.warm_start_steps=30", "train.tool_call_reward=0.1"]
     subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT, timeout=900,
                    env={**os.environ, "OMP_NUM_THREADS": str(max(1, os.cpu_count() // nproc))})
@@ -40,8 +42,10 @@ def end_to_end(steps, algo, nproc, credit="token"):
     med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
     total = med("time/step")
     parts = " | ".join(f"{k[5:]} {med(k):.2f}s ({med(k) / total:.0%})" for k in ["time/rollout", "time/forward", "time/update", "time/push"])
-    print(f"tiny {algo}{'' if credit == 'token' else f' ({credit}-level credit)'} x{nproc} ranks, median of {len(rows)} steps: step {total:.2f}s | {parts} | "
-          f"{med('tokens_per_s'):.0f} tokens/s ({med('action_tokens_per_s'):.0f} action tokens/s)")
+    variant = "".join([f" ({credit}-level credit)" if credit != "token" else "", f" (context {context}, K=1)" if context != "full" else ""])
+    print(f"tiny {algo}{variant} x{nproc} ranks, median of {len(rows)} steps: step {total:.2f}s | {parts} | "
+          f"{med('tokens_per_s'):.0f} tokens/s ({med('action_tokens_per_s'):.0f} action tokens/s), "
+          f"{statistics.median(r['tokens_per_s'] * r['time/step'] for r in rows):.0f} tokens per step")
 
 
 def update_only(micro_tokens=16384, seq_len=2048, steps=5):
@@ -96,6 +100,7 @@ if __name__ == "__main__":
     if args.update_only:
         update_only()
     else:
-        for algo, credit in (("grpo", "token"), ("ppo", "token"), ("ppo", "step")):
+        for algo, credit, context in (("grpo", "token", "full"), ("grpo", "token", "last_k"), ("ppo", "token", "full"),
+                                      ("ppo", "step", "full"), ("ppo", "step", "last_k")):
             for nproc in (1, 2):
-                end_to_end(args.steps, algo, nproc, credit)
+                end_to_end(args.steps, algo, nproc, credit, context)

@@ -66,7 +66,8 @@ def main():
     with torch.no_grad():
         old = policy_forward(model, ids, attn)[0] - 0.1  # the same old logprobs grad_of uses
     data = {"input_ids": ids, "attention_mask": attn, "action_mask": pad_rows(masks, 0, torch.float32),
-            "advantages": pad_rows(advantages, 0.0, torch.float32), "old_logprobs": old, "lengths": [len(r) for r in rows]}
+            "advantages": pad_rows(advantages, 0.0, torch.float32), "old_logprobs": old, "lengths": [len(r) for r in rows],
+            "trajectory": torch.arange(len(rows))}  # a row per trajectory
     shard(model)
     before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)

@@ -35,7 +35,8 @@ def end_to_end(steps, algo, nproc, credit="token", context="full"):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
            os.path.join(ROOT, "train.py"), "--config=tiny", f"algo={algo}", f"ppo.credit={credit}", f"steps={steps}", f"run_dir={run_dir}",
            f"rollout.context={context}", "rollout.keep_turns=1",
-           "train.warm_start_steps=30", "train.tool_call_reward=0.1"]
+           "train.warm_start_steps=30", "train.tool_call_reward=0.1",
+           "grpo.drop_uniform_groups=false"]  # the tiny model's groups are mostly uniform: time an update that runs
     subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT, timeout=900,
                    env={**os.environ, "OMP_NUM_THREADS": str(max(1, os.cpu_count() // nproc))})
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if '"time/step"' in line][1:]

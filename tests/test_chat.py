@@ -201,6 +201,9 @@ def test_interactive_chat_in_a_terminal(chat_model, leave):
         os.write(fd, QUESTION.encode() + b"\n")
         out = read_until(fd, "you>")
         assert 'calculator({"expression": "12*7"})' in out and "calculator result" in out and "answer" in out, out[-3000:]
+        # as a person would, not within a millisecond of the prompt: a SIGINT that lands after input() has
+        # printed the prompt but before it blocks in read() is only seen at the next line (CPython's input)
+        time.sleep(0.5)
         os.write(fd, leave)
         last_words = read_until(fd, "\0", timeout=30)  # drain the terminal until chat.py closes it
         assert exit_status(pid, last_words) == 0

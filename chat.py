@@ -28,7 +28,9 @@ from nanoagent.tasks import load_task
 
 THINK_TAG_RE = re.compile(r"</?think>")
 CALL_BLOCK_RE = re.compile(r"<tool_call>.*?(?:</tool_call>|\Z)", re.DOTALL)  # closed, or cut off by the token budget
-CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 but tab and newline, DEL, C1
+# C0 but tab and newline, DEL, C1, and the bidi controls (Unicode's Bidi_Control: marks, embeddings, overrides,
+# isolates), which reorder the text shown after them (U+202E shows "abc" as "cba"): a reply could read as what it is not
+CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 STOPPED = {  # why an answer ended without one, and the setting behind it
     "truncated": "the turn ran out of new tokens (rollout.max_new_tokens)",
     "context_budget": "the conversation reached the context budget (rollout.max_context_tokens)",
@@ -62,10 +64,11 @@ def load_config(model, preset, overrides):
 def printable(text):
     """
     Text from the model or a tool as the terminal may show it: every control character but tab and
-    newline written out as an escape (ESC as \\x1b), so that none moves the cursor, recolours the
-    terminal or sets its title. Shown as rich Text, never as markup, so "[red]" stays "[red]".
+    newline written out as an escape (ESC as \\x1b, RIGHT-TO-LEFT OVERRIDE as \\u202e), so that none
+    moves the cursor, recolours the terminal, sets its title or reorders the text after it. Shown as
+    rich Text, never as markup, so "[red]" stays "[red]".
     """
-    return CONTROL_RE.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    return CONTROL_RE.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}", text)
 
 
 def ask(engine, env, messages, question, sampling, max_turns, max_context):
@@ -143,6 +146,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.temperature < 0:
         parser.error("--temperature must be >= 0")
+    if args.question is not None and not args.question.strip():  # the model would answer nothing with whatever it makes up
+        fail("--question is empty; ask a question, or leave --question out to chat")
     if os.path.isdir(args.model) and not os.path.isfile(os.path.join(args.model, "config.json")):
         fail(f"--model {args.model!r} is a folder without a model (no config.json); a run exports to <run_dir>/hf")
     if not os.path.exists(args.model) and (os.path.isabs(args.model) or args.model.startswith(".") or args.model.count("/") > 1):

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import unicodedata
 from io import StringIO
 
 import pytest
@@ -132,6 +133,27 @@ def test_panels_escape_control_characters_and_show_markup_as_text(env):
     assert "\n╭─ [red]x[/red]" + r"\x1b[31mred" in out  # that title, the model's tool name as written
 
 
+# Unicode's Bidi_Control characters: each reorders the text shown after it (U+202E shows "abc" as "cba")
+BIDI_CONTROLS = [unicodedata.lookup(name) for name in [
+    "ARABIC LETTER MARK", "LEFT-TO-RIGHT MARK", "RIGHT-TO-LEFT MARK", "LEFT-TO-RIGHT EMBEDDING", "RIGHT-TO-LEFT EMBEDDING",
+    "POP DIRECTIONAL FORMATTING", "LEFT-TO-RIGHT OVERRIDE", "RIGHT-TO-LEFT OVERRIDE", "LEFT-TO-RIGHT ISOLATE",
+    "RIGHT-TO-LEFT ISOLATE", "FIRST STRONG ISOLATE", "POP DIRECTIONAL ISOLATE"]]
+
+
+def test_panels_escape_bidi_controls(env):
+    """A bidi override in the model's or a tool's text would make the panels read as something they
+    do not say (a result "48" shown as "84"): every bidi control is shown escaped, as \\u202e."""
+    explicit = {chr(c) for c in range(0x10000) if unicodedata.bidirectional(chr(c)) in {"LRE", "RLE", "LRO", "RLO", "PDF", "LRI", "RLI", "FSI", "PDI"}}
+    assert explicit < set(BIDI_CONTROLS)  # the list holds every embedding, override and isolate there is
+    evil = "".join(f"{c}{i}" for i, c in enumerate(BIDI_CONTROLS))
+    t = panel_trajectory(env, [f"<think>{evil}</think>" + scripted.call("calculator", {"expression": "1+1"}), f"<answer>{evil}</answer>"], "answer")
+    t.tool_calls[0].result = evil
+    out = render(t)
+    assert not set(out) & set(BIDI_CONTROLS), repr(out)
+    shown = "".join(f"\\u{ord(c):04x}{i}" for i, c in enumerate(BIDI_CONTROLS))
+    assert out.count(shown) == 3, out  # the reasoning, the calculator's result, the answer
+
+
 @pytest.mark.slow
 def test_question_answers_once_through_a_tool_call(chat_model):
     proc = subprocess.run(CHAT + ["--model", chat_model, "--system", SYSTEM, "--engine", "vllm", "--question", QUESTION,
@@ -213,6 +235,13 @@ def test_interactive_chat_in_a_terminal(chat_model, leave):
 
 def run_chat(*args):
     return subprocess.run(CHAT + list(args), capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def test_an_empty_question_is_refused_before_the_model_loads(tmp_path):
+    for question in ["", "  \t\n "]:
+        proc = run_chat("--model", str(tmp_path / "nope"), "--question", question)  # refused before the model is even looked for
+        assert proc.returncode == 2 and "--question is empty" in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and proc.stdout == ""
 
 
 def test_bad_model_paths_are_refused(tmp_path):

@@ -163,8 +163,8 @@ def main(argv=None):
     from rich.text import Text
     from transformers import AutoConfig, AutoTokenizer
 
-    from nanoagent.common import resolve_model
     from nanoagent.engine import SamplingConfig, make_engine
+    from nanoagent.tiny import resolve_model
     from nanoagent.tools import ToolEnv, make_tools
 
     model_path = resolve_model(args.model)

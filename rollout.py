@@ -22,11 +22,11 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from nanoagent.agent import rollout_metrics, run_agent
-from nanoagent.common import resolve_model
 from nanoagent.config import ConfigError, make_config, reference
 from nanoagent.data import check_prompts, load_prompts
 from nanoagent.engine import SamplingConfig, make_engine
 from nanoagent.tasks import load_task
+from nanoagent.tiny import resolve_model
 from nanoagent.tools import ToolEnv, make_tools
 
 

@@ -41,13 +41,14 @@ from transformers import AutoTokenizer
 from nanoagent import rl
 from nanoagent.agent import rollout_metrics, run_agent, scripted_trajectories
 from nanoagent.checkpoint import check_resume, export_hf, latest_checkpoint, load_latest, save_checkpoint, start_fresh
-from nanoagent.common import MetricsLog, all_reduce, init_distributed, print0, reduce_metrics, resolve_model, seed_everything
+from nanoagent.common import MetricsLog, all_reduce, init_distributed, print0, reduce_metrics, seed_everything
 from nanoagent.config import ConfigError, format_config, make_config, reference, save_config, to_dict
 from nanoagent.data import check_prompts, fit_prompts, step_prompts
 from nanoagent.engine import SamplingConfig, make_engine, pad_token_id
 from nanoagent.model import (build_critic, build_policy, build_reference, collate, critic_forward, forward_all, full_tensors, micro_steps,
                              policy_forward, read_weights, training_config)
 from nanoagent.tasks import load_task
+from nanoagent.tiny import resolve_model
 from nanoagent.tools import ToolEnv
 
 

@@ -1,5 +1,5 @@
 """Process-level plumbing shared by the entry scripts: distributed set-up, rank-aware printing,
-seeding, the metrics log, and model resolution."""
+seeding, the metrics log, timing. It stands on the ground floor: it imports no nanoagent module."""
 
 import json
 import os
@@ -127,16 +127,6 @@ class MetricsLog:
             f.write(json.dumps(metrics) + "\n")
         if self.wandb is not None:
             self.wandb.log(metrics, step=metrics["step"])
-
-
-def resolve_model(name):
-    """A model path for transformers and vLLM: 'tiny' builds (once, cached) the tiny test model.
-    Call it before the process group exists: under one, transformers' save_pretrained writes
-    weights on rank 0 only, and another rank's build would lack them."""
-    if name == "tiny":
-        from nanoagent.tiny import ensure_tiny_model
-        return ensure_tiny_model()
-    return name
 
 
 def median_time(fn, repeats=5):

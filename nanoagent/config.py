@@ -13,11 +13,19 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-from nanoagent.tasks import task_names
+TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")
+
+
+def task_names():
+    """The tasks in nanoagent/tasks/, one module each. Read from the folder rather than imported, so
+    that the config stands below the tasks (which read it) and a bad data.task is refused before
+    anything is built."""
+    return sorted(name[:-3] for name in os.listdir(TASKS_DIR) if name.endswith(".py") and not name.startswith("_"))
 
 
 def opt(default, help):

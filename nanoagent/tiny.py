@@ -275,6 +275,13 @@ def ensure_tiny_model(cache_dir=None, seed=0):
     return path
 
 
+def resolve_model(name):
+    """A model path for transformers and vLLM: 'tiny' builds (once, cached) the tiny test model.
+    Call it before the process group exists: under one, transformers' save_pretrained writes
+    weights on rank 0 only, and another rank's build would lack them."""
+    return ensure_tiny_model() if name == "tiny" else name
+
+
 def pretrain(model_dir, rows, steps, batch_size=32, lr=3e-3, seed=0):
     """
     Pretraining of the tiny model in model_dir, in place: next-token loss on the tokens of rows

@@ -1,6 +1,8 @@
 """Config: presets, dotted overrides, refusals that name the key, round trip through config.json."""
 
+import ast
 import json
+import os
 import re
 import subprocess
 import sys
@@ -101,3 +103,20 @@ def test_train_cli_prints_saves_and_refuses(tmp_path):
     assert bad.returncode == 2 and "rollout.max_turns" in bad.stderr
     tp = subprocess.run([sys.executable, "train.py", "--config=tiny", "rollout.tensor_parallel_size=2"], capture_output=True, text=True)
     assert tp.returncode == 2 and "train.py takes 1 only" in tp.stderr
+
+
+def test_config_and_common_import_nothing_above_them():
+    """common.py is the ground floor (it imports no nanoagent module) and config.py stands on it at
+    most: every script and module reads them, so an import from them reaches up into the whole kit
+    (common -> tiny was an import circle, config -> tasks pulled the tasks into every config check).
+    Every import in the file counts, one inside a function too."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for path, allowed in [("nanoagent/common.py", set()), ("nanoagent/config.py", {"nanoagent.common"})]:
+        imported = set()
+        for node in ast.walk(ast.parse(open(os.path.join(root, path)).read())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                package = "nanoagent" if node.level else node.module  # a relative import is one of nanoagent's
+                imported |= {f"{package}.{alias.name}" for alias in node.names} if package == "nanoagent" else {package}
+        assert {m for m in imported if m.split(".")[0] == "nanoagent"} <= allowed, path

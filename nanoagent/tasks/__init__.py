@@ -25,12 +25,7 @@ import importlib
 import importlib.util
 import os
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def task_names():
-    """The tasks in this folder."""
-    return sorted(name[:-3] for name in os.listdir(HERE) if name.endswith(".py") and not name.startswith("_"))
+from nanoagent.config import task_names
 
 
 def load_task(name):

@@ -174,8 +174,13 @@ class ToolEnv:
     def _serve(self):
         while True:
             jobs = [self.waiting.get()]
-            while not self.waiting.empty():
-                jobs.append(self.waiting.get())
+            # Take what else is waiting without blocking: between an empty() check and a get() another
+            # worker can take the last job, and a blocking get() would then sit on the jobs already taken.
+            while True:
+                try:
+                    jobs.append(self.waiting.get_nowait())
+                except queue.Empty:
+                    break
             try:
                 self.execute([c for calls, _ in jobs for c in calls])
             except Exception as e:  # a bug in the environment itself: every waiting trajectory hears of it

@@ -7,8 +7,10 @@ tokenizer and under Qwen2.5's real one.
 import os
 import random
 import signal
+import sys
 import threading
 import time
+from concurrent.futures import wait
 
 import pytest
 from transformers import AutoTokenizer
@@ -101,6 +103,23 @@ def test_base_exceptions_and_a_failing_batch_fail_only_their_own_calls(tiny_tok)
             assert calls[0].error and calls[2].error and why in calls[0].result and calls[0].result == calls[2].result, name
     finally:
         hang.set()
+
+
+def test_background_workers_answer_every_call_they_take(tiny_tok):
+    """The rollout's tool workers race for the waiting calls: one that saw a call waiting and then
+    blocked because another took it would sit on the calls it already held, and a rollout whose
+    last calls they were would wait forever. Threads switching as often as Python lets them make
+    that race happen within a few dozen rounds; every round's calls must all be answered."""
+    env = ToolEnv([Tool("echo", "", {"type": "object"}, lambda args: "x")], tiny_tok, workers=4)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for trial in range(300):
+            futures = [env.start([ToolCall("echo", {})]) for _ in range(8)]
+            _, pending = wait(futures, timeout=20)  # a bound, not a race: the calls take microseconds
+            assert not pending, f"round {trial}: {len(pending)} of 8 calls were taken by a worker and never answered"
+    finally:
+        sys.setswitchinterval(interval)
 
 
 def test_a_real_ctrl_c_still_stops_a_run(tiny_tok):

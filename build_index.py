@@ -10,10 +10,10 @@ tool queries (the folder layout is described in nanoagent/retriever.py).
 BeIR's layout through the datasets library. Steps:
   1. rank 0 copies the corpus into the index folder as docs.jsonl + a byte-offset table, the
      document store the search tool reads passages from without loading the corpus, checking every
-     row first (a bad one is named by file:line and leaves the folder as it was). build.json records
-     the settings and what the corpus was (size, mtime, a hash of its first and last 64 KiB and one
-     of the whole file): a rerun on the same corpus resumes; after the corpus changed the build
-     starts again from scratch and says so (its embeddings are of passages the corpus no longer
+     row first (a bad one, or an id that repeats, is named by file:line and leaves the folder as it
+     was). build.json records the settings and what the corpus was (size, mtime, a hash of its first
+     and last 64 KiB and one of the whole file): a rerun on the same corpus resumes; after the
+     corpus changed the build starts again from scratch and says so (its embeddings are of passages the corpus no longer
      has, and without this a rerun would index the old copy); other options must match;
   2. every rank embeds its share of the shards (shard i goes to rank i % world), batched, fp16 on a
      GPU, one .npy per shard written atomically; shards already on disk are skipped, so a build that
@@ -29,6 +29,7 @@ re-embedding); delete it to save disk.
 import argparse
 import datetime
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -121,6 +122,30 @@ def index_files(out):
     return [name for name in os.listdir(out) if name.startswith("index.") and name.endswith((".faiss", ".faiss.tmp"))]
 
 
+def passage_place(corpus, i):
+    """Where passage i (0-based) of a corpus is: file:line (iter_corpus skips blank lines), or the hub dataset's row."""
+    from nanoagent.retriever import corpus_is_file
+    if not corpus_is_file(corpus):
+        return f"{corpus} row {i}"
+    with open(corpus) as f:
+        lines = (n for n, line in enumerate(f, 1) if line.strip())
+        return f"{corpus}:{next(itertools.islice(lines, i, None))}"
+
+
+def unique_ids(passages, corpus):
+    """The passages, with a ValueError at the first id seen before, naming both places: an id names
+    one passage (in search results, in the document store), and two passages under one id, or a row
+    repeated, would make the index answer for one with the other. A passage without an id has its
+    line's (or row's) position as its id, and integer ids are strings: 7 and "7" are the same id."""
+    first = {}  # id -> position of its passage (~100 bytes per passage: 0.5 GB for BeIR's 5.2M HotpotQA passages)
+    for i, passage in enumerate(passages):
+        j = first.setdefault(passage["id"], i)
+        if j != i:
+            raise ValueError(f"{passage_place(corpus, i)}: the id {passage['id']!r} repeats that of {passage_place(corpus, j)}; "
+                             "every passage needs an id of its own")
+        yield passage
+
+
 def copy_corpus(args, settings):
     """
     Rank 0: make the document store in --out a checked copy of the corpus as it is now, with a
@@ -158,7 +183,7 @@ def copy_corpus(args, settings):
     shutil.rmtree(staging, ignore_errors=True)  # left by a run killed while copying
     try:
         with tqdm(unit="passage", desc="copy corpus") as bar:
-            count = write_docstore(iter_corpus(args.corpus), staging, bar)
+            count = write_docstore(unique_ids(iter_corpus(args.corpus), args.corpus), staging, bar)
         if count == 0:
             raise ValueError(f"the corpus {args.corpus} has no passages")
     except ValueError as e:

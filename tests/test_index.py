@@ -262,6 +262,26 @@ def test_a_bad_corpus_row_is_refused_before_anything_is_written(tmp_path):
         assert not os.path.exists(tmp_path / "index" / "build.json")
 
 
+def test_a_repeated_corpus_id_is_refused_naming_both_places(tmp_path):
+    """Two passages under one id (a row repeated, an integer id and the same id as a string, a row
+    without an id whose position is another's id) would make the search tool answer for one with the
+    other: the build is refused by file:line of both, and the index already there is left as it was."""
+    out, corpus = tmp_path / "index", tmp_path / "corpus.jsonl"
+    rows = [json.dumps(p) for p in PASSAGES]  # ids "0", "1", "2" on lines 1-3
+    corpus.write_text("\n".join(rows) + "\n")
+    build_index.main([f"--corpus={corpus}", f"--out={out}", f"--encoder={packaged_minilm_path()}", "--shard-size=64"])
+    before = {name: (out / name).read_bytes() for name in os.listdir(out) if os.path.isfile(out / name)}
+    for extra, repeat in [([json.dumps(PASSAGES[1])], ("1", 5, 2)),  # the same row again, after a blank line
+                          (['{"id": 7, "text": "x"}', '{"_id": "7", "text": "y"}'], ("7", 6, 5)),
+                          (['{"id": "5", "text": "x"}', '{"text": "y"}'], ("5", 6, 5))]:  # line 6 has no id: its position, 5
+        corpus.write_text("\n".join(rows + [""] + extra) + "\n")
+        want, line, first = repeat
+        with pytest.raises(SystemExit, match=rf"corpus.jsonl:{line}: the id '{want}' repeats that of \S*corpus.jsonl:{first}; "
+                                             rf"every passage needs an id of its own\. {re.escape(str(out))} is left as it was"):
+            build_index.main([f"--corpus={corpus}", f"--out={out}", f"--encoder={packaged_minilm_path()}", "--shard-size=64"])
+        assert {name: (out / name).read_bytes() for name in os.listdir(out) if os.path.isfile(out / name)} == before
+
+
 def test_a_build_killed_before_its_commit_leaves_the_old_index(world, tmp_path, encoder, monkeypatch):
     """
     meta.json names the index file it goes with and is replaced last: a build of another index type

@@ -40,7 +40,7 @@ from transformers import AutoTokenizer
 
 from nanoagent import rl
 from nanoagent.agent import rollout_metrics, run_agent, scripted_trajectories
-from nanoagent.checkpoint import check_resume, export_hf, latest_checkpoint, load_latest, save_checkpoint, start_fresh
+from nanoagent.checkpoint import check_resume, export_hf, load_latest, resume_checkpoint, save_checkpoint, start_fresh
 from nanoagent.common import MetricsLog, all_reduce, init_distributed, print0, reduce_metrics, seed_everything
 from nanoagent.config import ConfigError, format_config, make_config, reference, save_config, to_dict
 from nanoagent.data import check_prompts, fit_prompts, step_prompts
@@ -340,7 +340,7 @@ def main(argv=None):
     # complete checkpoint, with this command line's config where a key may change (checkpoint.CHANGEABLE)
     if cfg.resume == "never" and (aside := start_fresh(cfg.run_dir)):
         print0(f"resume=never: the run in {cfg.run_dir} was moved aside to {aside}")
-    checkpoint = latest_checkpoint(cfg.run_dir) if cfg.resume == "auto" else None
+    checkpoint = resume_checkpoint(cfg.run_dir) if cfg.resume == "auto" else None
     for change in check_resume(checkpoint, cfg) if checkpoint else []:
         print0(f"resume changes {change}")
     os.makedirs(cfg.run_dir, exist_ok=True)

@@ -12,10 +12,13 @@ anything else.
 
 A checkpoint is complete when it holds its marker `COMPLETE` (its step and world size), written
 only after every file of it was fsynced: readers take nothing else, so a crash of the machine that
-loses unsynced data cannot leave a folder that looks complete. A complete checkpoint can still
-fail to load (a disk that corrupts a shard, a file truncated by hand): load_latest then falls back to
-the previous complete one and says why; every rank takes the same decision, because loading is
-collective. Only the `train.keep_last` newest complete checkpoints are kept (a 3B model with AdamW
+loses unsynced data cannot leave a folder that looks complete; nor does one whose marker or
+config.json does not read as written (a damaged disk, a hand edit). resume=auto says which step
+folders it found and does not use, and why (a save cut short, an older nanoagent's checkpoint
+without a marker, a damaged marker), rather than resume from an older step without a word. A
+complete checkpoint can still fail to load (a disk that corrupts a shard, a file truncated by
+hand): load_latest then falls back to the previous complete one and says why; every rank takes the
+same decision, because loading is collective. Only the `train.keep_last` newest complete checkpoints are kept (a 3B model with AdamW
 in fp32 is ~36 GB per model per checkpoint); older ones are deleted only once the new one is
 complete.
 
@@ -62,7 +65,7 @@ from transformers import AutoModelForCausalLM
 from nanoagent.common import print0
 from nanoagent.config import ConfigError, flatten, to_dict
 
-STEP_DIR = re.compile(r"^step_(\d{6})(\.old)?$")
+STEP_DIR = re.compile(r"^step_(\d{6})(\.old|\.tmp)?$")
 MARKER = "COMPLETE"
 
 # Config keys a resumed run may change: they steer what happens from the next step on. Every other
@@ -132,22 +135,63 @@ def _move_into_place(folder):
     shutil.rmtree(folder + ".old", ignore_errors=True)
 
 
-def complete_checkpoints(run_dir):
-    """The complete checkpoints in run_dir, newest first: folders with their marker, `step_N`, or
-    `step_N.old` when a save was killed between its two renames (then `step_N` is missing)."""
+def _unusable(path, step):
+    """Why the step folder `path` (of `step`) cannot be resumed from, or None. Its marker and its
+    config.json must read as what save_checkpoint wrote (check_resume reads both): a disk that
+    damaged one, or a hand edit, must make the run fall back to the previous checkpoint, not stop."""
+    if not os.path.exists(os.path.join(path, MARKER)):
+        return f"it has no {MARKER} marker (a save that did not finish, or a checkpoint of an older nanoagent)"
+    try:
+        marker, config = _read_json(os.path.join(path, MARKER)), _read_json(os.path.join(path, "config.json"))
+    except (OSError, ValueError) as e:
+        return f"it does not read ({_reason(e)})"
+    if not (isinstance(marker, dict) and marker.get("step") == step and type(marker.get("world_size")) is int):
+        return f"its {MARKER} marker is {str(marker)[:100]!r}, not {{'step': {step}, 'world_size': <ranks>}}"
+    if not isinstance(config, dict):
+        return f"its config.json holds a {type(config).__name__}, not a config"
+    return None
+
+
+def scan_checkpoints(run_dir):
+    """(complete, unused): the checkpoints in run_dir that can be resumed from, newest first (a
+    `step_N` folder, or `step_N.old` when a save was killed between its two renames and `step_N` is
+    missing), and the (folder, why) of every other step folder there, by name."""
     folder = os.path.join(run_dir, "checkpoints")
     names = set(os.listdir(folder)) if os.path.isdir(folder) else set()
-    complete = []
-    for name in names:
-        match = STEP_DIR.match(name)
-        if match and not (match.group(2) and name.removesuffix(".old") in names) and os.path.exists(os.path.join(folder, name, MARKER)):
-            complete.append((int(match.group(1)), name))
-    return [os.path.join(folder, name) for _, name in sorted(complete, reverse=True)]
+    complete, unused = [], []
+    for name in sorted(names):
+        match, path = STEP_DIR.match(name), os.path.join(folder, name)
+        if not match:
+            continue
+        if match.group(2) == ".tmp":
+            unused.append((path, "a save or a deletion that did not finish (the next save deletes it)"))
+        elif match.group(2) == ".old" and name.removesuffix(".old") in names:
+            unused.append((path, "the copy a save replaced, not yet deleted (the next save deletes it)"))
+        elif why := _unusable(path, int(match.group(1))):
+            unused.append((path, why))
+        else:
+            complete.append((int(match.group(1)), path))
+    return [path for _, path in sorted(complete, reverse=True)], unused
+
+
+def complete_checkpoints(run_dir):
+    """The checkpoints in run_dir that can be resumed from, newest first (see scan_checkpoints)."""
+    return scan_checkpoints(run_dir)[0]
 
 
 def latest_checkpoint(run_dir):
     """The folder of the highest complete checkpoint in run_dir, or None."""
     return next(iter(complete_checkpoints(run_dir)), None)
+
+
+def resume_checkpoint(run_dir):
+    """resume=auto: the folder of the highest complete checkpoint in run_dir, or None, after rank 0
+    said which step folders it found there and does not use, and why (the same on every rank: they
+    read the same files)."""
+    complete, unused = scan_checkpoints(run_dir)
+    for path, why in unused:
+        print0(f"resume=auto: not using {path}: {why}")
+    return next(iter(complete), None)
 
 
 def _prune(run_dir, keep_last):

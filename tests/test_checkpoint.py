@@ -34,8 +34,8 @@ from test_train import QUICK, ROOT, free_port, train
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from nanoagent.checkpoint import (CHANGEABLE, CheckpointError, check_resume, export_hf, latest_checkpoint, load_checkpoint, load_latest, save_checkpoint,
-                                  start_fresh, verify_export)
+from nanoagent.checkpoint import (CHANGEABLE, CheckpointError, check_resume, export_hf, latest_checkpoint, load_checkpoint, load_latest,
+                                  resume_checkpoint, save_checkpoint, start_fresh, verify_export)
 from nanoagent.common import MetricsLog
 from nanoagent.config import ConfigError, all_keys, make_config, to_dict
 
@@ -280,6 +280,52 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(damage, tmp_pa
     apply(run_dir / "checkpoints" / "step_000001")
     with pytest.raises(CheckpointError, match="no complete checkpoint in .* loads: .*step_000002.*step_000001"):
         load_latest(str(run_dir), {"policy": model}, {"policy": optimizer})
+
+
+# What can make the newest checkpoint's marker or config.json unreadable, and the reason resume=auto gives for not using it
+UNREADABLE = {
+    "marker cut short": (lambda folder: (folder / "COMPLETE").write_text('{"step": 2, "wor'), r"it does not read \(JSONDecodeError: "),
+    "marker not an object": (lambda folder: (folder / "COMPLETE").write_text("[2, 1]"),
+                             r"its COMPLETE marker is '\[2, 1\]', not \{'step': 2, 'world_size': <ranks>\}"),
+    "marker of another step": (lambda folder: (folder / "COMPLETE").write_text('{"step": 7, "world_size": 1}'),
+                               r"its COMPLETE marker is \"\{'step': 7, 'world_size': 1\}\", not \{'step': 2, "),
+    "config cut short": (lambda folder: truncate(folder / "config.json"), r"it does not read \(JSONDecodeError: "),
+    "config missing": (lambda folder: os.remove(folder / "config.json"), r"it does not read \(FileNotFoundError: .*config\.json"),
+}
+
+
+@pytest.mark.parametrize("damage", UNREADABLE)
+def test_resume_skips_a_checkpoint_whose_marker_or_config_does_not_read(damage, tmp_path, tiny_model_dir, world_of_one, capsys):
+    """resume=auto (what train.py calls before check_resume) takes the newest checkpoint whose marker and
+    config.json read as save_checkpoint wrote them, and says once what it found and does not use: that
+    one, a step folder without a marker (a save cut short, or an older nanoagent's), a partial save."""
+    model, optimizer = build(tiny_model_dir)
+    run_dir = tmp_path / "run"
+    states = save_steps(run_dir, model, optimizer, [1, 2])
+    checkpoints = run_dir / "checkpoints"
+    apply, reason = UNREADABLE[damage]
+    apply(checkpoints / "step_000002")
+    shutil.copytree(checkpoints / "step_000001", checkpoints / "step_000003")
+    os.remove(checkpoints / "step_000003" / "COMPLETE")
+    shutil.copytree(checkpoints / "step_000001", checkpoints / "step_000004.tmp")
+    capsys.readouterr()
+    path = resume_checkpoint(str(run_dir))
+    assert path == str(checkpoints / "step_000001")
+    out = capsys.readouterr().out
+    said = [rf"resume=auto: not using {re.escape(str(checkpoints / 'step_000002'))}: {reason}.*",
+            rf"resume=auto: not using {re.escape(str(checkpoints / 'step_000003'))}: it has no COMPLETE marker \(a save that did not "
+            r"finish, or a checkpoint of an older nanoagent\)",
+            rf"resume=auto: not using {re.escape(str(checkpoints / 'step_000004.tmp'))}: a save or a deletion that did not finish .*"]
+    lines = out.splitlines()
+    assert len(lines) == 3 and all(re.fullmatch(pattern, line) for pattern, line in zip(said, lines)), out
+    assert check_resume(path, make_config("tiny")) == []
+    advance(model, optimizer, 3)
+    assert load_latest(str(run_dir), {"policy": model}, {"policy": optimizer}) == (path, 1, {"step": 1})
+    assert first_difference(full_state(model, optimizer), states[1]) is None
+    # the next save at step 2 replaces the damaged one and deletes the partial one
+    save_steps(run_dir, model, optimizer, [2])
+    assert latest_checkpoint(str(run_dir)) == str(checkpoints / "step_000002")
+    assert sorted(os.listdir(checkpoints)) == ["step_000001", "step_000002", "step_000003"]
 
 
 @pytest.mark.slow

@@ -27,9 +27,11 @@ and the trainer scores each pair as a sequence of its own (Trajectory.sequences)
 are re-rendered from their text in later prompts, so a turn's prompt can differ from the tokens
 sampled before it; what is trained is always what the engine saw and sampled.
 
-A trajectory ends when the model answers without a tool call ("answer"), when a turn runs out of
-new-token budget without a call ("truncated"), when it would exceed the context budget
-("context_budget"), or when it makes a call in its last allowed turn ("max_turns").
+A trajectory ends when the model answers without a tool call ("answer"); when a turn is cut by the
+new-token budget, without a call or in the last allowed turn ("truncated"), or by the context budget
+("context_budget", as when the next observation would not fit); or when it makes a call in its last
+allowed turn ("max_turns"). A turn cut inside a tool call before the last turn goes on: the model
+reads that its call was not closed.
 """
 
 import time
@@ -133,12 +135,14 @@ def take_turn(t, gen, budget, turn, max_turns, max_new_tokens, tokenizer):
         return content, ended_with_eos, calls
     t.messages.append({"role": "assistant", "content": content})
     t.final_text = content
-    if calls:
-        t.finish_reason = "max_turns"
-    elif gen.finish_reason == "stop":
-        t.finish_reason = "answer"
-    else:
+    # A turn the budget cut is labelled by the cut even when it opened a tool call: its text is
+    # unfinished, which is what overlong filtering and the finish/truncated metric count.
+    if gen.finish_reason == "length":
         t.finish_reason = "context_budget" if budget < max_new_tokens else "truncated"
+    elif calls:
+        t.finish_reason = "max_turns"
+    else:
+        t.finish_reason = "answer"
     return None
 
 

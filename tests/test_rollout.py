@@ -87,6 +87,12 @@ def test_tool_errors_and_finish_reasons(greedy_trajs, engine, env):
     # a turn cut by max_new_tokens without a tool call
     [cut] = run_agent(engine, env, [samples()[6]], SamplingConfig(max_new_tokens=3, greedy=True), max_turns=4, max_context_tokens=MAX_CONTEXT)
     assert cut.finish_reason == "truncated" and len(cut.response_ids) == 3
+    # a last turn cut inside its tool call was cut too: by max_new_tokens, or by the context budget
+    [opened] = run_agent(engine, env, [samples()[0]], SamplingConfig(max_new_tokens=3, greedy=True), max_turns=1, max_context_tokens=MAX_CONTEXT)
+    assert env.tokenizer.decode(opened.response_ids).startswith("<tool_call>") and "was not closed" in opened.tool_calls[0].result
+    assert opened.finish_reason == "truncated"
+    [squeezed] = run_agent(engine, env, [samples()[0]], GREEDY, max_turns=1, max_context_tokens=len(opened.prompt_ids) + 3)
+    assert squeezed.response_ids == opened.response_ids and squeezed.finish_reason == "context_budget"
 
 
 def check_token_exact(traj, env):

@@ -1,7 +1,9 @@
 """
 train.py end to end under real torchrun (gloo, 2 CPU ranks) with the real vLLM CPU engine and the
 tiny model: PPO and GRPO steps, the weight push, exact resume, the HF export, NaN skipping.
-A short imitation warm start gives the tiny model rewards that vary, so updates really move it.
+A short imitation warm start gets the tiny model calling the calculator, but what it then earns
+depends on how this CPU rounds: a test whose premise is "the rewards varied, the policy moved"
+scores with a scripted reward (tests/alternating_task.py) that varies within every group.
 """
 
 import json
@@ -46,8 +48,10 @@ def test_two_steps_push_export_in_bf16(algo, tmp_path):
     checkpointing, models built on the meta device from rank 0's copy, a fresh model cache (the
     ranks build the tiny model at the same time). PPO runs with step-level credit (ppo.credit=step;
     token-level PPO runs on 2 ranks in test_resume_gives_the_same_next_step)."""
-    # a small token budget gives the ranks different numbers of micro-batches, which they must keep in step
+    # a small token budget gives the ranks different numbers of micro-batches, which they must keep in step;
+    # the scripted reward (1, 0, 1, 0 within each group) makes the rewards vary whatever this CPU's bf16 sampled
     out, metrics = train(tmp_path / "run", f"algo={algo}", "steps=2", "train.micro_batch_tokens=600", "train.dtype=bfloat16",
+                         f"data.task={os.path.join(ROOT, 'tests', 'alternating_task.py')}",
                          "rollout.dtype=bfloat16", "train.activation_checkpointing=true",
                          *(["train.kl_mode=loss", "train.overlong_filter=true"] if algo == "grpo" else ["train.kl_mode=reward", "ppo.credit=step"]),
                          env_cache=str(tmp_path / "cache"))
@@ -57,9 +61,9 @@ def test_two_steps_push_export_in_bf16(algo, tmp_path):
         # the engine sampled with the weights the trainer has (after the warm start, then after the update), up to bf16 rounding
         assert m["engine_logprob_diff"] <= BF16_LOGPROB_DIFF, m
         assert m.get("skipped", 0) == 0 and m["tokens_per_s"] > 0 and "kl" in m
-        # grpo leaves groups with one reward for all, and (asked here) cut trajectories, out of the update (DAPO); ppo none.
-        # When all are left out (the tiny model often earns nothing), the step takes no optimizer step and the run goes on.
-        trained = round(16 * (1 - m["dropped_uniform"] - m["dropped_overlong"]))  # of 4 prompts x 4 samples
+        # grpo leaves (asked here) cut trajectories out of the update (DAPO); no group has one reward for all; ppo leaves none out
+        assert m["dropped_uniform"] == 0
+        trained = round(16 * (1 - m["dropped_overlong"]))  # of 4 prompts x 4 samples
         assert 0 <= trained <= 16 if algo == "grpo" else trained == 16
         assert m["policy_updates"] == math.ceil(trained / 8)  # mini-batches of 8 (QUICK), however many are left
     assert steps[0]["grad_norm"] > 0  # rewards varied, the policy moved

@@ -16,14 +16,14 @@ One step, top to bottom:
      question and the last K turns, and each turn is then a token row of its own;
   2. rewards: the task scores each trajectory; the outcome reward sits on the last action token,
      process rewards on the last action token of their turn, and (kl_mode=reward) -kl_coef * k1;
-     groups whose rewards are all equal (grpo) and, optionally, trajectories cut by a budget are
-     left out of the update (DAPO);
+     groups without signal (grpo: all outcomes equal, no process reward) and, optionally,
+     trajectories cut by a budget are left out of the update (DAPO);
   3. the engine sleeps; the trainer recomputes old logprobs, reference logprobs and values;
-  4. advantages: GAE over action tokens, or over turns with ppo.credit=step (ppo), or
-     group-normalised scores (grpo);
+  4. advantages: GAE over action tokens, or over turns with ppo.credit=step (ppo), or the
+     group-normalised outcome plus the process rewards still to come, unnormalised (grpo);
   5. PPO epochs over mini-batches: clipped policy loss (+ k3 KL loss, entropy bonus, truncated
-     importance weights) and clipped value loss, each a global token mean across micro-batches
-     and ranks; a non-finite loss or gradient skips the update;
+     importance weights) and clipped value loss, each a global mean across micro-batches and
+     ranks (of tokens, or of trajectories); a non-finite loss or gradient skips the update;
   6. the new weights go into the engine; one line of metrics.
 """
 
@@ -39,14 +39,15 @@ import torch
 from transformers import AutoTokenizer
 
 from nanoagent import rl
-from nanoagent.agent import rollout_metrics, run_agent, scripted_trajectories
+from nanoagent.agent import run_agent
 from nanoagent.checkpoint import check_resume, export_hf, load_latest, resume_checkpoint, save_checkpoint, start_fresh
-from nanoagent.common import MetricsLog, all_reduce, init_distributed, print0, reduce_metrics, seed_everything
+from nanoagent.common import MetricsLog, all_reduce, init_distributed, print0, seed_everything
 from nanoagent.config import ConfigError, format_config, make_config, reference, save_config, to_dict
 from nanoagent.data import check_prompts, fit_prompts, step_prompts
 from nanoagent.engine import SamplingConfig, make_engine, pad_token_id
-from nanoagent.model import (build_critic, build_policy, build_reference, collate, critic_forward, forward_all, full_tensors, micro_steps,
-                             policy_forward, read_weights, training_config)
+from nanoagent.imitation import imitate
+from nanoagent.metrics import evaluate, step_line, step_metrics
+from nanoagent.model import build_models, collate, critic_forward, forward_all, full_tensors, micro_steps, policy_forward
 from nanoagent.tasks import load_task
 from nanoagent.tiny import resolve_model
 from nanoagent.tools import ToolEnv
@@ -85,43 +86,51 @@ def task_data(task, cfg, tokenizer):
 
 
 def token_rewards(trajs, batch, tool_call_reward):
-    """[R, L] rewards on action tokens (of the batch's rows): the outcome on the last action token
-    of the trajectory, the process reward on the last action token of each turn whose tool calls
-    all succeeded."""
-    rewards = torch.zeros_like(batch["action_mask"])
+    """([R, L] all rewards, [R, L] the process rewards among them) on action tokens of the batch's
+    rows: the outcome on the last action token of the trajectory, the process reward on the last
+    action token of each turn (but the last) whose tool calls all succeeded."""
+    rewards, process = torch.zeros_like(batch["action_mask"]), torch.zeros_like(batch["action_mask"])
     for t, steps in zip(trajs, batch["steps"]):
-        if tool_call_reward:
-            for turn, (row, _, end) in enumerate(steps):
-                calls = [c for c in t.tool_calls if c.turn == turn]
-                if calls and not any(c.error for c in calls) and turn < len(steps) - 1:
-                    rewards[row, end - 1] += tool_call_reward
+        for turn, (row, _, end) in enumerate(steps[:-1]):
+            calls = [c for c in t.tool_calls if c.turn == turn]
+            if tool_call_reward and calls and not any(c.error for c in calls):
+                process[row, end - 1] += tool_call_reward
         row, _, end = steps[-1]
         rewards[row, end - 1] += t.reward
-    return rewards
+    return rewards + process, process
 
 
-def trained_rows(trajs, scores, groups, cfg):
+def trained_rows(trajs, outcomes, process, owner, groups, cfg):
     """
     Which trajectories the update trains on ([B] float, 1 or 0), and how many are left out for
-    each reason. DAPO's dynamic sampling (grpo.drop_uniform_groups): a group whose scores are all
-    equal has advantages all 0, no signal. DAPO's overlong filtering (train.overlong_filter): a
-    trajectory cut by the token or context budget is not trained on (it still counts in its
-    group's baseline; it is counted as dropped_overlong when its group is not dropped already).
-    scores: [B] returns; groups: [B] group ids.
+    each reason. DAPO's dynamic sampling (grpo.drop_uniform_groups): a group whose advantages are
+    all 0 has no signal; with rl.grpo_token_advantages that is a group whose outcomes are all
+    equal and none of whose trajectories earned a process reward. DAPO's overlong filtering
+    (train.overlong_filter): a trajectory cut by the token or context budget is not trained on (it
+    still counts in its group's baseline; it is counted as dropped_overlong when its group is not
+    dropped already). outcomes: [B]; process: [R, L] process rewards; owner: [R] each row's
+    trajectory; groups: [B] group ids.
     """
     uniform = torch.zeros(len(trajs), dtype=torch.bool)
     if cfg.algo == "grpo" and cfg.grpo.drop_uniform_groups:
-        uniform = rl.uniform_groups(scores, groups)
+        earned = torch.zeros(len(trajs)).index_add_(0, owner, process.abs().sum(-1))  # [B]
+        uniform = rl.uniform_groups(outcomes, groups) & rl.uniform_groups(earned, groups) & (earned == 0)  # earned: all 0
     overlong = torch.tensor([cfg.train.overlong_filter and t.finish_reason in ("truncated", "context_budget") for t in trajs])
     return (~uniform & ~overlong).float(), {"dropped_uniform": uniform.sum().item(), "dropped_overlong": (overlong & ~uniform).sum().item()}
 
 
 def global_counts(batch, rows, key="action_mask"):
-    """Tokens and sequences with tokens where batch[key] is 1 (the action tokens; the value loss's
-    tokens for the critic) in a mini-batch, over all ranks: the denominators that make every
-    micro-batch's loss its share of one global mean."""
-    mask = batch[key][rows]
-    return all_reduce([mask.sum().item(), (mask.sum(-1) > 0).sum().item()])
+    """
+    The denominators that make every micro-batch's loss its share of one global mean, over the
+    tokens where batch[key] is 1 (the action tokens; the value loss's tokens for the critic) in a
+    mini-batch (rows: this rank's): (tokens over all ranks, trajectories with such tokens over all
+    ranks, seq_tokens [R, L]: on every token, the count of its trajectory's, for seq_mean). A
+    trajectory's rows, one or one per turn, all sit in one mini-batch on one rank.
+    """
+    owner = batch["trajectory"]
+    per_trajectory = torch.zeros(len(owner)).index_add_(0, owner[rows], batch[key][rows].sum(-1))  # [<= R]
+    tokens, trajectories = all_reduce([per_trajectory.sum().item(), (per_trajectory > 0).sum().item()])
+    return tokens, trajectories, per_trajectory[owner][:, None].expand_as(batch[key])
 
 
 # -----------------------------------------------------------------------------
@@ -188,9 +197,9 @@ def update_policy(policy, optimizer, batch, rows, cfg, world, device):
     (shares, globals): this rank's share of each loss statistic (they add up over ranks to the
     mini-batch's value) and the values every rank already agrees on (grad norm, skipped).
     """
-    global_tokens, global_seqs = global_counts(batch, rows)
+    global_tokens, global_seqs, seq_tokens = global_counts(batch, rows)
     shares = {"pg_loss": 0.0, "clipfrac": 0.0, "approx_kl": 0.0, "entropy": 0.0, "kl_loss": 0.0}
-    for idx, get in micro_steps(batch, rows, cfg.train.micro_batch_tokens, device):
+    for idx, get in micro_steps({**batch, "seq_tokens": seq_tokens}, rows, cfg.train.micro_batch_tokens, device):
         mask = get("action_mask") * (1.0 if idx else 0.0)
         logprobs, entropy = policy_forward(policy, get("input_ids"), get("attention_mask"), cfg.rollout.temperature)
         per_token, pg_stats = rl.ppo_policy_loss(logprobs, get("old_logprobs"), get("advantages"), mask,
@@ -203,7 +212,7 @@ def update_policy(policy, optimizer, batch, rows, cfg, world, device):
             shares["kl_loss"] += rl.masked_sum(kl.detach(), mask).item() / global_tokens
         if cfg.train.entropy_coef:  # otherwise the entropy is only logged, and no gradient flows through it
             per_token = per_token - cfg.train.entropy_coef * entropy
-        loss = rl.aggregate_loss(per_token, mask, cfg.train.loss_agg, global_tokens, global_seqs)
+        loss = rl.aggregate_loss(per_token, mask, cfg.train.loss_agg, global_tokens, global_seqs, get("seq_tokens"))
         (loss * world).backward()  # FSDP averages rank gradients; the loss is already a global mean
         n = mask.sum().item() / global_tokens
         shares["pg_loss"] += loss.item()
@@ -216,113 +225,20 @@ def update_policy(policy, optimizer, batch, rows, cfg, world, device):
 
 def update_critic(critic, optimizer, batch, rows, cfg, world, device):
     """One optimizer step of the critic on a mini-batch: clipped value loss on the tokens where
-    value_mask is 1 (the action tokens; the state boundaries with ppo.credit=step), global token
-    mean. Returns (shares, globals) like update_policy."""
-    global_tokens, global_seqs = global_counts(batch, rows, "value_mask")
+    value_mask is 1 (the action tokens; with ppo.credit=step each step's first, where its value is
+    read), a global mean (train.loss_agg). Returns (shares, globals) like update_policy."""
+    global_tokens, global_seqs, seq_tokens = global_counts(batch, rows, "value_mask")
     shares = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
-    for idx, get in micro_steps(batch, rows, cfg.train.micro_batch_tokens, device):
+    for idx, get in micro_steps({**batch, "seq_tokens": seq_tokens}, rows, cfg.train.micro_batch_tokens, device):
         mask = get("value_mask") * (1.0 if idx else 0.0)
         values = critic_forward(critic, get("input_ids"), get("attention_mask"))
         per_token, vf_stats = rl.clipped_value_loss(values, get("values"), get("returns"), mask, cfg.ppo.value_clip)
-        loss = rl.aggregate_loss(per_token, mask, cfg.train.loss_agg, global_tokens, global_seqs)
+        loss = rl.aggregate_loss(per_token, mask, cfg.train.loss_agg, global_tokens, global_seqs, get("seq_tokens"))
         (loss * world).backward()
         shares["vf_loss"] += loss.item()
         shares["vf_clipfrac"] += vf_stats["vf_clipfrac"].item() * mask.sum().item() / global_tokens
     grad_norm, skipped = optimizer_step(critic, optimizer, shares["vf_loss"], cfg.train.grad_clip)
     return shares, {"vf_grad_norm": grad_norm, "vf_skipped": skipped}
-
-
-def imitate(policy, env, rows, demonstrate, cfg, rank, world, device):
-    """
-    Warm start by imitation of the task's scripted demonstrations, through the same trajectory
-    assembly, forward, mask and loss aggregation as RL: maximise the logprob of the demonstrated
-    action tokens (mask = 1), a global token mean. Its own AdamW, so RL's optimizer starts fresh.
-    """
-    rng = random.Random(f"{cfg.seed}-demos-{rank}")
-    mine = rows[rank::world]
-    demos = scripted_trajectories(env, mine, [demonstrate(row, rng) for row in mine])
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.train.warm_start_lr, weight_decay=0.0)
-    per_rank = cfg.ppo.mini_batch_size // world
-    for step in range(cfg.train.warm_start_steps):
-        batch = collate([demos[rng.randrange(len(demos))] for _ in range(per_rank)], pad_token_id(env.tokenizer))
-        rows = list(range(len(batch["lengths"])))
-        global_tokens, _ = global_counts(batch, rows)
-        loss_sum = 0.0
-        for idx, get in micro_steps(batch, rows, cfg.train.micro_batch_tokens, device):
-            logprobs, _ = policy_forward(policy, get("input_ids"), get("attention_mask"))
-            loss = rl.aggregate_loss(-logprobs, get("action_mask") * (1.0 if idx else 0.0), "token_mean", global_tokens, None)
-            (loss * world).backward()
-            loss_sum += loss.item()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.train.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        [loss_sum] = all_reduce([loss_sum])
-        if step % 20 == 0 or step == cfg.train.warm_start_steps - 1:
-            print0(f"warm start {step + 1:4d}/{cfg.train.warm_start_steps} | nll {loss_sum:.4f}")
-
-
-def evaluate(engine, env, task, rows, cfg, rank, world):
-    """Greedy rollouts on this rank's share of the held-out prompts; means over all ranks of the
-    reward, turns, tool calls and the task's scores, overall and per question type (a row's `type`,
-    e.g. eval/2-hop/tool_calls: the behaviour behind a score)."""
-    rows = rows[:cfg.eval.num_prompts]
-    mine = rows[rank::world]
-    trajs = run_agent(engine, env, mine, SamplingConfig(cfg.rollout.max_new_tokens, greedy=True), cfg.rollout.max_turns,
-                      cfg.rollout.max_context_tokens)
-    for t in trajs:
-        task.score(t, cfg)
-    fields = ["reward", "turns", "tool_calls", *sorted({k for t in trajs for k in t.scores})]
-    types = sorted({str(r["type"]) for r in rows if r.get("type")})  # from every rank's rows: the same keys on all ranks
-    groups = {"": trajs, **{f"{ty}/": [t for t, r in zip(trajs, mine) if str(r.get("type")) == ty] for ty in types}}
-    sums = {}
-    for prefix, members in groups.items():  # rollout_metrics' means, times the count: this rank's share of each total
-        means = rollout_metrics(members)
-        sums[prefix + "n"] = len(members)
-        sums.update({prefix + k: means.get(k, 0.0) * len(members) for k in fields})
-    total = reduce_metrics(sums, {})
-    return {f"eval/{p}{k}": total[p + k] / max(total[p + "n"], 1) for p in groups for k in fields}
-
-
-def build_models(cfg, model_path, device):
-    """Policy, critic (ppo), frozen reference (with a KL term) and their AdamW optimizers, built
-    sharded from rank 0's copy of the weights. bf16 compute means the same on a CPU as on a GPU."""
-    compute_dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
-    config, weights = training_config(model_path), read_weights(model_path)
-    models = {"policy": build_policy(config, weights, device, compute_dtype, cfg.train.activation_checkpointing)}
-    if cfg.algo == "ppo":
-        models["critic"] = build_critic(config, weights, device, compute_dtype, cfg.train.activation_checkpointing)
-    ref = build_reference(config, weights, device, compute_dtype) if cfg.train.kl_mode != "none" else None
-    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=cfg.train.lr if name == "policy" else cfg.ppo.critic_lr,
-                                          weight_decay=cfg.train.weight_decay) for name, m in models.items()}
-    return models, ref, optimizers
-
-
-def step_metrics(step, trajs, dropped, batch, policy_updates, critic_updates, engine_diff, kl):
-    """The step's metrics, reduced over ranks once: this rank's shares are summed, the values every
-    rank agrees on (grad norms, skips) and the engine/trainer logprob gap are maxed. dropped:
-    {reason: trajectories left out of the update}, logged as fractions of all trajectories."""
-    per_trajectory = {**rollout_metrics(trajs), **{k: v / len(trajs) for k, v in dropped.items()}}
-    policy_shares, policy_globals = mean_over_updates(policy_updates)
-    critic_shares, critic_globals = mean_over_updates(critic_updates)
-    sums = {**{k: v * len(trajs) for k, v in per_trajectory.items()}, **policy_shares, **critic_shares, "trajectories": len(trajs),
-            "action_tokens": float(sum(sum(t.action_mask) for t in trajs)), "trained_tokens": batch["action_mask"].sum().item(),
-            "tokens": float(sum(batch["lengths"]))}
-    if kl is not None:
-        sums["kl"] = kl.sum().item()
-    maxes = {**policy_globals, **critic_globals, "engine_logprob_diff": engine_diff}
-    total = reduce_metrics(sums, maxes)
-    metrics = {"step": step + 1, **{k: total[k] / total["trajectories"] for k in per_trajectory}}
-    metrics.update({k: total[k] for k in [*policy_shares, *critic_shares, *maxes, "tokens", "action_tokens"]})
-    metrics["policy_updates"] = len(policy_updates)  # 0 when every trajectory was left out: no step taken
-    if kl is not None:  # over the tokens that train
-        metrics["kl"] = total["kl"] / max(total["trained_tokens"], 1)
-    return metrics
-
-
-def mean_over_updates(results):
-    """[(shares, globals)] of one model's optimizer steps in this step -> their means."""
-    mean = lambda dicts: {k: sum(d[k] for d in dicts) / len(dicts) for k in dicts[0]} if dicts else {}  # noqa: E731
-    return mean([r[0] for r in results]), mean([r[1] for r in results])
 
 
 # -----------------------------------------------------------------------------
@@ -399,25 +315,24 @@ def main(argv=None):
             if saved_step != step:
                 save(step)
             return 143
-        # 2. rewards: the task scores each trajectory; rewards sit on action tokens
+        # 2. rewards: the task scores each trajectory (its outcome); rewards sit on action tokens
         for t in trajs:
             task.score(t, cfg)
         # a row per trajectory, or (rollout.context=last_k) per turn; owner: [R] the trajectory of each row
         batch = collate(trajs, pad_token_id(tokenizer))
         owner = batch["trajectory"]
-        rewards = token_rewards(trajs, batch, cfg.train.tool_call_reward)  # [R, L]
-        scores = torch.zeros(len(trajs)).index_add_(0, owner, rewards.sum(-1))  # [B] each trajectory's return, what GRPO compares
+        rewards, process = token_rewards(trajs, batch, cfg.train.tool_call_reward)  # [R, L] all rewards; the process rewards
+        outcomes = torch.tensor([t.reward for t in trajs])  # [B] what GRPO compares within a group
         groups = torch.arange(len(prompts)).repeat_interleave(cfg.rollout.group_size)
         # the trajectories that train (kept: their rows); the others get mask 0, and no forward pass runs over them
-        keep, dropped = trained_rows(trajs, scores, groups, cfg)
+        keep, dropped = trained_rows(trajs, outcomes, process, owner, groups, cfg)
         kept = keep[owner].nonzero().flatten().tolist()
         mask = batch["action_mask"] = batch["action_mask"] * keep[owner][:, None]
-        rewards = rewards * mask
+        rewards, process = rewards * mask, process * mask
         t1 = time.perf_counter()
         # 3. old logprobs (recomputed by the trainer), reference logprobs and KL
         batch["old_logprobs"] = forward_all(lambda i, a: policy_forward(policy, i, a, cfg.rollout.temperature)[0], batch, kept,
                                             cfg.train.micro_batch_tokens, device) * mask
-        engine_diff = ((batch["old_logprobs"] - batch["rollout_logprobs"]).abs() * mask).max().item()
         kl = None
         if ref is not None:
             batch["ref_logprobs"] = forward_all(lambda i, a: policy_forward(ref, i, a, cfg.rollout.temperature)[0], batch, kept,
@@ -426,13 +341,13 @@ def main(argv=None):
             if cfg.train.kl_mode == "reward":  # ppo only (config.validate): k1 on every action token
                 rewards = rewards - cfg.train.kl_coef * kl
         t2 = time.perf_counter()
-        # 4. advantages: GAE over the critic's values (ppo), per action token or per turn, or group-normalised scores (grpo)
+        # 4. advantages: GAE over the critic's values (ppo), per action token or per turn, or group-normalised outcomes (grpo)
         if cfg.algo == "ppo":
             values = forward_all(lambda i, a: critic_forward(critic, i, a), batch, kept, cfg.train.micro_batch_tokens, device)
             if cfg.ppo.credit == "token":  # a value per action token
                 batch["value_mask"], batch["values"] = mask, values * mask
                 advantages, batch["returns"] = rl.masked_gae(rewards, batch["values"], mask, cfg.ppo.gamma, cfg.ppo.lam)
-            else:  # a value per turn, read at the token before its action
+            else:  # a value per turn: the critic's at the last token before the action, aligned at the action's first
                 advantages, batch["returns"], batch["value_mask"] = rl.step_gae(rewards, values, mask, batch["steps"], cfg.ppo.gamma, cfg.ppo.lam)
                 batch["values"] = values * batch["value_mask"]
             if cfg.ppo.whiten_advantages:  # over the action tokens of all ranks
@@ -440,8 +355,8 @@ def main(argv=None):
                 mean = s / max(n, 1)
                 var = (sq - n * mean ** 2) / max(n - 1, 1)
                 advantages = (advantages - mean) / math.sqrt(var + 1e-8) * mask
-        else:
-            advantages = rl.grpo_advantages(scores, groups, cfg.grpo.eps, cfg.grpo.scale_by_std)[owner][:, None] * mask
+        else:  # on every action token the outcome's, plus the process rewards from its turn on (not normalised)
+            advantages = rl.grpo_token_advantages(outcomes, groups, process, mask, batch["steps"], cfg.grpo.eps, cfg.grpo.scale_by_std)
         batch["advantages"] = advantages
         # 5. PPO epochs over mini-batches of the kept trajectories: critic, then policy (after the critic's warm-up)
         policy_updates, critic_updates = ppo_epochs(models, optimizers, batch, kept, cfg, step, rank, world, device)
@@ -452,17 +367,11 @@ def main(argv=None):
         engine.wake(["kv_cache"])
         t4 = time.perf_counter()
         [stopping] = all_reduce([float(sigterm["received"])])
-        metrics = step_metrics(step, trajs, dropped, batch, policy_updates, critic_updates, engine_diff, kl)
-        metrics.update({"lr": get_lr(step, cfg.train.lr, cfg.train.warmup_steps), "time/rollout": t1 - t0, "time/forward": t2 - t1,
-                        "time/update": t3 - t2, "time/push": t4 - t3, "time/step": t4 - t0, "tokens_per_s": metrics.pop("tokens") / (t4 - t0),
-                        "action_tokens_per_s": metrics.pop("action_tokens") / (t4 - t0)})
+        metrics = step_metrics(step, trajs, dropped, batch, policy_updates, critic_updates, kl, [t0, t1, t2, t3, t4])
+        metrics["lr"] = get_lr(step, cfg.train.lr, cfg.train.warmup_steps)
         if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.steps) and not stopping:
             metrics.update(evaluate(engine, env, task, val_rows, cfg, rank, world))
-        print0(f"step {step + 1:4d}/{cfg.steps} | reward {metrics['reward']:.3f} | turns {metrics['turns']:.2f} | "
-               f"resp {metrics['response_tokens']:.0f} | kl {metrics.get('kl', metrics.get('approx_kl', 0)):.4f} | "
-               f"clip {metrics.get('clipfrac', 0):.3f} | ent {metrics.get('entropy', 0):.3f} | gnorm {metrics.get('grad_norm', 0):.3f} | "
-               f"skip {metrics.get('skipped', 0):.2f} | drop {metrics['dropped_uniform']:.2f}+{metrics['dropped_overlong']:.2f} | rollout {t1 - t0:.1f}s fwd {t2 - t1:.1f}s upd {t3 - t2:.1f}s push {t4 - t3:.2f}s | "
-               f"{metrics['tokens_per_s']:.0f} tok/s" + (f" | eval {metrics['eval/reward']:.3f}" if "eval/reward" in metrics else ""))
+        print0(step_line(metrics, cfg.steps))
         log.log(metrics)
 
         # checkpoints: every save_every steps, at the end, and after a SIGTERM

@@ -10,8 +10,9 @@ Everything here respects that mask exactly:
 - step_gae runs it over steps instead (one action = one step, its value read at the state
   boundary before it), and every token of an action shares the step's advantage; a trajectory's
   steps may lie in one row or (each turn with its own context) in a row each;
-- grpo_advantages normalises scores within groups of rollouts of the same prompt, and
-  uniform_groups finds the groups whose scores are all equal (no signal: DAPO drops them);
+- grpo_advantages normalises scores within groups of rollouts of the same prompt;
+  grpo_token_advantages puts the normalised outcome on every action token and adds the process
+  rewards unnormalised, and uniform_groups finds the groups whose scores are all equal;
 - ppo_policy_loss / clipped_value_loss return per-token losses, zero where mask = 0;
 - aggregate_loss turns per-token losses into this micro-batch's share of one global scalar, so the
   gradient does not depend on how a batch is split into micro-batches and ranks.
@@ -68,6 +69,21 @@ def masked_gae(rewards, values, mask, gamma, lam):
     return advantages, returns
 
 
+def check_steps(mask, steps, name):
+    """Refuse steps (see step_gae) that are not [start, end) spans after a row's first token, in order
+    within their row, covering every action token of `mask` exactly once."""
+    covered = torch.zeros_like(mask)
+    for n, trajectory in enumerate(steps):
+        for k, (row, start, end) in enumerate(trajectory):
+            if not (0 <= row < len(mask) and 1 <= start < end <= mask.shape[1]):
+                raise ValueError(f"{name}: trajectory {n}'s step {(row, start, end)} is not a [start, end) span after a row's first token")
+            if k and trajectory[k - 1][0] == row and trajectory[k - 1][2] > start:
+                raise ValueError(f"{name}: trajectory {n}'s steps {trajectory} are not in order within their row")
+            covered[row, start:end] += 1
+    if torch.any(covered > 1) or torch.any(mask * (covered == 0) > 0):
+        raise ValueError(f"{name}: the steps overlap, or miss action tokens: every action token must be in exactly one step")
+
+
 @torch.no_grad()
 def step_gae(rewards, values, mask, steps, gamma, lam):
     """
@@ -75,39 +91,31 @@ def step_gae(rewards, values, mask, steps, gamma, lam):
     action, its state everything the policy read before it. steps[n]: trajectory n's steps in order,
     each (row, start, end), the [start, end) positions of its action in that row (start >= 1): all in
     one row (one growing row per trajectory), or each in a row of its own (each turn with its own
-    context). For step k of a trajectory:
-      V(s_k) = values[row_k, start_k - 1], the value at the state boundary (the last token the
-               policy read before the action); V after the last step is 0;
+    context). values are aligned like the logprobs (model.critic_forward): index t holds the
+    critic's output at token t-1, the value of the state that has read tokens [0, t). For step k:
+      V(s_k) = values[row_k, start_k], the value of everything the policy read before the action
+               (the output at its last token, start_k - 1); V after the last step is 0;
       r_k    = the rewards summed over the action's tokens;
       delta_k = r_k + gamma * V(s_{k+1}) - V(s_k);  A_k = delta_k + gamma * lam * A_{k+1}.
-    rewards, values, mask: [B, T] float; values are read at the boundaries only. Returns
+    rewards, values, mask: [B, T] float; values are read at the steps' starts only. Returns
     (advantages, returns, value_mask), all [B, T]: A_k on every action token of step k (zero where
-    mask = 0); returns A_k + V(s_k) at step k's boundary token, where value_mask is 1 (a step with
-    an action token to train), for a value loss taken at the boundaries only.
+    mask = 0); returns A_k + V(s_k) at index start_k, where value_mask is 1 (a step with an action
+    token to train), for a value loss taken where the values were read.
     """
     assert rewards.shape == values.shape == mask.shape and rewards.dim() == 2, "expect [B, T] tensors"
     mask = mask.to(values.dtype)
     if torch.any((rewards != 0) & (mask == 0)):
         raise ValueError("step_gae: a non-zero reward sits on a mask-0 token; rewards belong on action tokens")
-    covered = torch.zeros_like(mask)
-    for n, trajectory in enumerate(steps):
-        for k, (row, start, end) in enumerate(trajectory):
-            if not (0 <= row < len(mask) and 1 <= start < end <= mask.shape[1]):
-                raise ValueError(f"step_gae: trajectory {n}'s step {(row, start, end)} is not a [start, end) span after a row's first token")
-            if k and trajectory[k - 1][0] == row and trajectory[k - 1][2] > start:
-                raise ValueError(f"step_gae: trajectory {n}'s steps {trajectory} are not in order within their row")
-            covered[row, start:end] += 1
-    if torch.any(covered > 1) or torch.any(mask * (covered == 0) > 0):
-        raise ValueError("step_gae: the steps overlap, or miss action tokens: every action token must be in exactly one step")
+    check_steps(mask, steps, "step_gae")
     advantages, returns, value_mask = torch.zeros_like(values), torch.zeros_like(values), torch.zeros_like(values)
     for trajectory in steps:
         next_value = next_adv = 0.0
         for row, start, end in reversed(trajectory):
-            value = values[row, start - 1]
+            value = values[row, start]
             adv = rewards[row, start:end].sum() + gamma * next_value - value + gamma * lam * next_adv
             advantages[row, start:end] = adv * mask[row, start:end]
             if mask[row, start:end].any():
-                returns[row, start - 1], value_mask[row, start - 1] = adv + value, 1.0
+                returns[row, start], value_mask[row, start] = adv + value, 1.0
             next_value, next_adv = value, adv
     return advantages, returns, value_mask
 
@@ -136,12 +144,40 @@ def grpo_advantages(scores, group_ids, eps=1e-6, scale_by_std=True):
     return torch.where(count[inverse] > 1, advantages, torch.zeros_like(advantages))
 
 
+@torch.no_grad()
+def grpo_token_advantages(outcomes, group_ids, process_rewards, mask, steps, eps=1e-6, scale_by_std=True):
+    """
+    GRPO with process rewards: on the action tokens of step k of trajectory n, the group-normalised
+    outcome grpo_advantages(outcomes)[n] plus the process rewards of steps k, k+1, ... of trajectory
+    n, undiscounted and not normalised (as token-level rewards-to-go are, verl-style). Normalising
+    the outcome and the process rewards together would blow a small process reward up to a
+    full-size advantage: two trajectories of one outcome, one of them 0.1 richer in process
+    rewards, would get +-0.71. Without process rewards this is grpo_advantages on every action
+    token of the trajectory. outcomes, group_ids: [N] per trajectory; process_rewards, mask: [B, T]
+    over rows, with steps as in step_gae (a trajectory's steps in one row or a row each).
+    Returns [B, T], zero where mask = 0.
+    """
+    mask = mask.to(process_rewards.dtype)
+    if torch.any((process_rewards != 0) & (mask == 0)):
+        raise ValueError("grpo_token_advantages: a non-zero process reward sits on a mask-0 token; rewards belong on action tokens")
+    check_steps(mask, steps, "grpo_token_advantages")
+    outcome_advantages = grpo_advantages(outcomes, group_ids, eps, scale_by_std)  # [N]
+    advantages = torch.zeros_like(mask)
+    for n, trajectory in enumerate(steps):
+        to_go = 0.0  # the process rewards of this step and the ones after it
+        for row, start, end in reversed(trajectory):
+            to_go = to_go + process_rewards[row, start:end].sum()
+            advantages[row, start:end] = (outcome_advantages[n] + to_go) * mask[row, start:end]
+    return advantages
+
+
 def uniform_groups(scores, group_ids, tol=1e-6):
     """
     DAPO's dynamic sampling: [B] bool, True on the rows of groups whose scores all lie within tol
-    of each other (a group of one included). Their GRPO advantages are all 0, so they carry no
-    policy-gradient signal; kept in the update they only dilute a token-mean loss's denominator
-    and add KL and entropy terms with no reward behind them. scores: [B]; group_ids: [B] integers.
+    of each other (a group of one included). Their grpo_advantages are all 0; a group whose outcomes
+    are uniform and that earned no process reward carries no policy-gradient signal, and kept in
+    the update it would only dilute a token-mean loss's denominator and add KL and entropy terms
+    with no reward behind them. scores: [B]; group_ids: [B] integers.
     """
     _, inverse = torch.unique(group_ids, return_inverse=True)
     G = int(inverse.max()) + 1
@@ -280,7 +316,7 @@ def logprobs_and_entropy(logits, labels, temperature=1.0, chunk_size=None):
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean")
 
 
-def aggregate_loss(per_token_loss, mask, mode, global_tokens, global_seqs):
+def aggregate_loss(per_token_loss, mask, mode, global_tokens, global_seqs, seq_tokens=None):
     """
     This micro-batch's share of the loss of the whole global batch; summing the shares over all
     micro-batches and ranks gives the global loss, so the gradient does not depend on the split.
@@ -290,9 +326,13 @@ def aggregate_loss(per_token_loss, mask, mode, global_tokens, global_seqs):
       token_mean: sum of all action-token losses / global_tokens (every token weighs the same).
       seq_mean:   mean over tokens within each sequence, then sum / global_seqs (every sequence
                   weighs the same, whatever its length).
+    A sequence is a trajectory, which may lie in several rows (a row per turn): seq_tokens ([B, T],
+    or [B, 1]) then gives each token the action-token count of its whole trajectory, so that its
+    rows' shares add up to the trajectory's mean; by default each row is a sequence of its own.
     """
     if mode == "token_mean":
         return masked_sum(per_token_loss, mask) / global_tokens
     if mode == "seq_mean":
-        return masked_mean(per_token_loss, mask, dim=-1).sum() / global_seqs
+        seq_tokens = mask.sum(-1, keepdim=True) if seq_tokens is None else seq_tokens
+        return masked_sum(per_token_loss / seq_tokens.clamp(min=1), mask) / global_seqs
     raise ValueError(f"unknown loss aggregation {mode!r}; valid: {', '.join(LOSS_AGGREGATIONS)}")

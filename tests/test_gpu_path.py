@@ -102,7 +102,7 @@ def update_batch(tokenizer, n=6, context="full"):
     for i, t in enumerate(trajs):
         t.reward = (i % 3) / 2
     batch = collate(trajs, pad_token_id(tokenizer))
-    batch["rewards"] = train.token_rewards(trajs, batch, tool_call_reward=0.1)
+    batch["rewards"], batch["process"] = train.token_rewards(trajs, batch, tool_call_reward=0.1)
     batch["old_logprobs"] = torch.zeros_like(batch["action_mask"])
     batch["advantages"] = torch.randn(batch["action_mask"].shape) * batch["action_mask"]
     return batch
@@ -198,19 +198,18 @@ def test_long_prompts_stop_every_rank_when_the_data_is_loaded(tiny_model_dir):
     assert len(kept) == len(rows) - len(over) and not {r["id"] for r in kept} & set(over)
 
 
-def test_step_credit_trains_the_critic_at_the_state_boundaries_only(process_group, tiny_model_dir):
-    """With ppo.credit=step the value loss is taken where step_gae put the returns (the token before each
-    turn's action), not on the action tokens: update_critic's loss is the clipped value loss's mean over
-    value_mask, computed here by hand from the critic's values."""
+def test_step_credit_trains_the_critic_where_the_step_values_are_read_only(process_group, tiny_model_dir):
+    """With ppo.credit=step the value loss is taken where step_gae put the returns (each turn's first
+    action index, whose critic output is the value of what was read before the action), not on every
+    action token: update_critic's loss is the clipped value loss's mean over value_mask, computed here
+    by hand from the critic's values."""
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     batch = update_batch(tok)
     cfg = make_config("tiny", ["algo=ppo", "ppo.credit=step"])
     critic = build_critic(training_config(tiny_model_dir), read_weights(tiny_model_dir), CPU, torch.float32, False)
     with torch.no_grad():
         values = critic_forward(critic, batch["input_ids"], batch["attention_mask"])
-    boundaries = torch.zeros_like(batch["action_mask"])
-    starts = batch["action_mask"].diff(dim=1, prepend=torch.zeros_like(batch["action_mask"][:, :1])) > 0
-    boundaries[:, :-1] = starts[:, 1:].float()  # the token before each action span
+    boundaries = (batch["action_mask"].diff(dim=1, prepend=torch.zeros_like(batch["action_mask"][:, :1])) > 0).float()  # action starts
     assert 0 < boundaries.sum() < batch["action_mask"].sum()
     batch["value_mask"], batch["values"] = boundaries, (values + 0.3) * boundaries
     batch["returns"] = torch.randn(boundaries.shape) * boundaries
@@ -220,30 +219,37 @@ def test_step_credit_trains_the_critic_at_the_state_boundaries_only(process_grou
     assert shares["vf_loss"] == pytest.approx((expected.sum() / boundaries.sum()).item(), rel=1e-4)
 
 
-def test_a_row_per_turn_trains_like_one_row_when_nothing_is_left_out(process_group, tiny_model_dir):
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean"])
+def test_a_row_per_turn_trains_like_one_row_when_nothing_is_left_out(process_group, tiny_model_dir, loss_agg):
     """rollout.context=last_k with K=1 on two-turn trajectories leaves nothing out: each turn's row is
     its prefix of the one full-context row. The trainer must then see the same thing: the same
     logprobs and values on each turn's tokens, the same step-level advantages and returns (step_gae
-    linking the rows of a trajectory), the same GRPO advantages, and the same policy update (a token
-    mean over all rows of the mini-batch)."""
+    linking the rows of a trajectory), the same GRPO advantages, and the same policy and critic
+    updates, for every train.loss_agg (a token mean over all rows of the mini-batch, or a mean over
+    trajectories: a trajectory's rows weigh as much as its one row, not once per turn)."""
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    cfg = make_config("tiny", ["algo=ppo", "ppo.credit=step", "train.micro_batch_tokens=400"])
+    cfg = make_config("tiny", ["algo=ppo", "ppo.credit=step", "train.micro_batch_tokens=400", f"train.loss_agg={loss_agg}"])
     config, weights = training_config(tiny_model_dir), read_weights(tiny_model_dir)
-    critic = build_critic(config, weights, CPU, torch.float32, False)
     batches, updated = {}, {}
     for context in ("full", "last_k"):
         batch = batches[context] = update_batch(tok, context=context)
         rows = list(range(len(batch["lengths"])))
         policy = build_policy(config, weights, CPU, torch.float32, False)
+        critic = build_critic(config, weights, CPU, torch.float32, False)
+        torch.manual_seed(0)  # the same value head in both contexts, with values that differ from token to token
+        with torch.no_grad():
+            torch.nn.init.normal_(critic.value_head.weight, std=0.1)
         batch["old_logprobs"] = train.forward_all(lambda i, a: policy_forward(policy, i, a)[0], batch, rows, 400, CPU) * batch["action_mask"]
         values = train.forward_all(lambda i, a: critic_forward(critic, i, a), batch, rows, 400, CPU)
         batch["step_advantages"], batch["returns"], batch["value_mask"] = rl.step_gae(batch["rewards"], values, batch["action_mask"],
                                                                                       batch["steps"], 0.9, 0.8)
         batch["values"] = values * batch["value_mask"]
-        scores = torch.zeros(len(batch["steps"])).index_add_(0, batch["trajectory"], batch["rewards"].sum(-1))
-        batch["advantages"] = rl.grpo_advantages(scores, torch.tensor([0, 0, 0, 1, 1, 1]))[batch["trajectory"]][:, None] * batch["action_mask"]
+        outcomes = torch.tensor([(i % 3) / 2 for i in range(6)])  # update_batch's rewards
+        batch["advantages"] = rl.grpo_token_advantages(outcomes, torch.tensor([0, 0, 0, 1, 1, 1]), batch["process"], batch["action_mask"],
+                                                       batch["steps"])
         batch["shares"], _ = train.update_policy(policy, torch.optim.SGD(policy.parameters(), lr=1.0), batch, rows, cfg, 1, CPU)
-        updated[context] = dict(policy.named_parameters())
+        batch["vf_shares"], _ = train.update_critic(critic, torch.optim.SGD(critic.parameters(), lr=1.0), batch, rows, cfg, 1, CPU)
+        updated[context] = {**dict(policy.named_parameters()), **{"critic." + n: p for n, p in critic.named_parameters()}}
     full, lastk = batches["full"], batches["last_k"]
     assert len(full["lengths"]) == 6 and len(lastk["lengths"]) == sum(map(len, full["steps"])) > 6  # several two-turn trajectories
     for full_steps, lastk_steps in zip(full["steps"], lastk["steps"]):
@@ -251,9 +257,45 @@ def test_a_row_per_turn_trains_like_one_row_when_nothing_is_left_out(process_gro
             assert fs == ls and torch.equal(full["input_ids"][fr, :fe], lastk["input_ids"][lr, :le])  # the same tokens
             for key, tol in (("old_logprobs", 1e-5), ("step_advantages", 1e-5), ("advantages", 0)):
                 torch.testing.assert_close(lastk[key][lr, ls:le], full[key][fr, fs:fe], atol=tol, rtol=tol)
-            torch.testing.assert_close(lastk["returns"][lr, ls - 1], full["returns"][fr, fs - 1], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lastk["returns"][lr, ls], full["returns"][fr, fs], atol=1e-5, rtol=1e-5)
     assert lastk["step_advantages"].abs().sum() > 0 and lastk["advantages"].abs().sum() > 0
     assert lastk["shares"]["pg_loss"] == pytest.approx(full["shares"]["pg_loss"], abs=1e-6)
     assert lastk["shares"]["entropy"] == pytest.approx(full["shares"]["entropy"], rel=1e-5)
+    assert lastk["vf_shares"]["vf_loss"] == pytest.approx(full["vf_shares"]["vf_loss"], rel=1e-5)
     for name, param in updated["full"].items():
         torch.testing.assert_close(updated["last_k"][name], param, atol=1e-6, rtol=1e-5)
+
+
+def test_a_step_value_is_the_critics_after_everything_the_policy_read(process_group, tiny_model_dir):
+    """ppo.credit=step: V(s_k) is the critic's value of everything the policy read before step k's
+    action (Agent-R1 v0.1's step MDP), the critic's output at the last token before the action, read
+    through critic_forward's alignment as train.py reads it. With a one-token prompt V(s_0) is the
+    value of that token: it changes with it, and the value loss, taken where the value is read, trains
+    the critic (read one token early, it would be critic_forward's padding 0, which no gradient reaches)."""
+    cfg = make_config("tiny", ["algo=ppo", "ppo.credit=step"])
+    critic = build_critic(training_config(tiny_model_dir), read_weights(tiny_model_dir), CPU, torch.float32, False)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        torch.nn.init.normal_(critic.value_head.weight)
+    #                     p  a0  a0  o   o   a1  a1     rows 0 and 1 differ in their prompt's one token only
+    ids = torch.tensor([[5, 40, 41, 60, 61, 42, 43], [6, 40, 41, 60, 61, 42, 43], [5, 40, 41, 0, 0, 0, 0]])
+    mask = torch.tensor([[0., 1, 1, 0, 0, 1, 1], [0., 1, 1, 0, 0, 1, 1], [0., 1, 1, 0, 0, 0, 0]])
+    steps = [[(0, 1, 3), (0, 5, 7)], [(1, 1, 3), (1, 5, 7)], [(2, 1, 3)]]
+    batch = {"input_ids": ids, "attention_mask": torch.tensor([[1] * 7, [1] * 7, [1] * 3 + [0] * 4]), "action_mask": mask,
+             "lengths": [7, 7, 3], "trajectory": torch.tensor([0, 1, 2]), "steps": steps}
+    rewards = torch.zeros_like(mask)
+    rewards[:2, 6], rewards[2, 2] = 1.0, 1.0
+    values = train.forward_all(lambda i, a: critic_forward(critic, i, a), batch, [0, 1, 2], 400, CPU)
+    advantages, batch["returns"], batch["value_mask"] = rl.step_gae(rewards, values, mask, steps, 1.0, 1.0)
+    batch["values"] = values * batch["value_mask"]
+    read = {}
+    with torch.no_grad():
+        for n, trajectory in enumerate(steps):
+            for row, start, _ in trajectory:  # the critic on exactly what the policy had read before the action
+                read[row, start] = critic(ids[row:row + 1, :start], torch.ones(1, start, dtype=torch.long))[0, -1]
+                torch.testing.assert_close(batch["returns"][row, start] - advantages[row, start], read[row, start], atol=1e-5, rtol=1e-5)
+    assert batch["value_mask"].nonzero().tolist() == [[0, 1], [0, 5], [1, 1], [1, 5], [2, 1]]
+    assert abs(read[0, 1] - read[1, 1]) > 1e-3  # V(s_0) follows the prompt's token
+    # a one-step trajectory after a one-token prompt: the value loss at V(s_0) alone moves the critic
+    _, stats = train.update_critic(critic, torch.optim.SGD(critic.parameters(), lr=0.0), batch, [2], cfg, 1, CPU)
+    assert stats["vf_grad_norm"] > 0

@@ -98,19 +98,21 @@ def test_masked_gae_refuses_reward_on_observation_token():
 
 def test_step_gae_hand_computed():
     """Two rows with several turns of uneven length, observations between them, a process reward on a
-    turn's last token and the outcome on the last action token, and padding."""
+    turn's last token and the outcome on the last action token, and padding. Values are aligned like
+    critic_forward's: index t holds the value of the state that has read tokens [0, t), so a step's
+    V(s) sits at its action's first index."""
     #            p   p   a0  a0  a0  o   o   a1  o   a2  a2
     rewards = [[0., 0., 0., 0., .1, 0., 0., .1, 0., 0., 1.],
                [0., 0., 0., 0., 0., 0., -.05, 0., .5, 0., 0.]]  # a per-token term (e.g. the KL penalty) mid-turn
-    values = [[9., .4, 7., 7., 7., 9., .2, 7., .6, 7., 7.],
-              [9., 9., .3, 7., 7., .1, 7., 7., 7., 7., 7.]]
+    values = [[9., 9., .4, 7., 7., 9., 9., .2, 9., .6, 7.],
+              [9., 9., 9., .3, 7., 9., .1, 7., 7., 7., 7.]]
     #            p   p   p   a0  a0  o   a1  a1  a1  pad pad
     mask = [[0., 0., 1., 1., 1., 0., 0., 1., 0., 1., 1.],
             [0., 0., 0., 1., 1., 0., 1., 1., 1., 0., 0.]]
     steps = [[(0, 2, 5), (0, 7, 8), (0, 9, 11)], [(1, 3, 5), (1, 6, 9)]]
     gamma, lam = 0.9, 0.8
     adv, ret, vmask = rl.step_gae(torch.tensor(rewards), torch.tensor(values), torch.tensor(mask), steps, gamma, lam)
-    # row 0, by hand: V(s) = [0.4, 0.2, 0.6] (the tokens before each action), r = [0.1, 0.1, 1.0]
+    # row 0, by hand: V(s) = [0.4, 0.2, 0.6] (at each action's first index), r = [0.1, 0.1, 1.0]
     d2 = 1.0 + 0.0 - 0.6
     d1 = 0.1 + 0.9 * 0.6 - 0.2
     d0 = 0.1 + 0.9 * 0.2 - 0.4
@@ -121,9 +123,9 @@ def test_step_gae_hand_computed():
     b0 = 0.0 + 0.9 * 0.1 - 0.3 + 0.72 * b1
     torch.testing.assert_close(adv, torch.tensor([[0, 0, a0, a0, a0, 0, 0, a1, 0, a2, a2],
                                                   [0, 0, 0, b0, b0, 0, b1, b1, b1, 0, 0]]))
-    torch.testing.assert_close(vmask, torch.tensor([[0., 1, 0, 0, 0, 0, 1, 0, 1, 0, 0], [0., 0, 1, 0, 0, 1, 0, 0, 0, 0, 0]]))
-    torch.testing.assert_close(ret, torch.tensor([[0, a0 + .4, 0, 0, 0, 0, a1 + .2, 0, a2 + .6, 0, 0],
-                                                  [0, 0, b0 + .3, 0, 0, b1 + .1, 0, 0, 0, 0, 0]]))
+    torch.testing.assert_close(vmask, torch.tensor([[0., 0, 1, 0, 0, 0, 0, 1, 0, 1, 0], [0., 0, 0, 1, 0, 0, 1, 0, 0, 0, 0]]))
+    torch.testing.assert_close(ret, torch.tensor([[0, 0, a0 + .4, 0, 0, 0, 0, a1 + .2, 0, a2 + .6, 0],
+                                                  [0, 0, 0, b0 + .3, 0, 0, b1 + .1, 0, 0, 0, 0]]))
 
 
 def test_step_gae_with_one_token_steps_is_textbook_gae_over_steps():
@@ -134,11 +136,11 @@ def test_step_gae_with_one_token_steps_is_textbook_gae_over_steps():
     rewards, values, mask = torch.zeros(1, T), torch.randn(1, T, generator=g), torch.zeros(1, T)
     steps = [[(0, 2 * k + 1, 2 * k + 2) for k in range(K)]]
     for k, (_, start, _) in enumerate(steps[0]):
-        rewards[0, start], values[0, start - 1], mask[0, start] = step_rewards[k], step_values[k], 1.0
+        rewards[0, start], values[0, start], mask[0, start] = step_rewards[k], step_values[k], 1.0
     adv, ret, _ = rl.step_gae(rewards, values, mask, steps, 0.97, 0.9)
     expected = torch.tensor(textbook_gae(step_rewards.tolist(), step_values.tolist(), 0.97, 0.9))
     torch.testing.assert_close(adv[0, 1::2], expected)
-    torch.testing.assert_close(ret[0, 0::2], expected + step_values)
+    torch.testing.assert_close(ret[0, 1::2], expected + step_values)
 
 
 def test_step_gae_refuses_steps_that_miss_or_overlap_actions_and_dropped_rows_are_zero():
@@ -168,17 +170,17 @@ def test_step_gae_over_a_row_per_turn_is_step_gae_over_one_row():
         one["rewards"][0, s:e] = torch.randn(e - s, generator=g)
     split = {k: torch.zeros(3, 9) for k in one}
     steps = []
-    for k, (s, e) in enumerate(spans):  # each turn after a prompt of its own, 4 tokens, whose last token holds the value
+    for k, (s, e) in enumerate(spans):  # each turn after a prompt of its own, 4 tokens; the value read at the action's first index
         split["values"][k] = torch.randn(9, generator=g)
-        split["values"][k, 3] = one["values"][0, s - 1]
+        split["values"][k, 4] = one["values"][0, s]
         split["rewards"][k, 4:4 + e - s], split["mask"][k, 4:4 + e - s] = one["rewards"][0, s:e], 1
         steps.append((k, 4, 4 + e - s))
     adv, ret, vmask = rl.step_gae(one["rewards"], one["values"], one["mask"], [[(0, s, e) for s, e in spans]], 0.95, 0.9)
     adv_split, ret_split, vmask_split = rl.step_gae(split["rewards"], split["values"], split["mask"], [steps], 0.95, 0.9)
     for k, (s, e) in enumerate(spans):
         torch.testing.assert_close(adv_split[k, 4:4 + e - s], adv[0, s:e])
-        torch.testing.assert_close(ret_split[k, 3], ret[0, s - 1])
-        assert vmask_split[k].tolist() == [0, 0, 0, 1, 0, 0, 0, 0, 0] and vmask[0, s - 1] == 1
+        torch.testing.assert_close(ret_split[k, 4], ret[0, s])
+        assert vmask_split[k].tolist() == [0, 0, 0, 0, 1, 0, 0, 0, 0] and vmask[0, s] == 1
     assert adv_split[:, :4].abs().sum() == 0 and adv_split[split["mask"] == 0].abs().sum() == 0
 
 
@@ -199,6 +201,27 @@ def test_grpo_identical_scores_give_zero_and_list_labels_work():
     assert torch.all(adv == 0)
     adv = rl.grpo_advantages(torch.tensor([0.0, 2.0, 5.0]), ["q1", "q1", "q2"])
     torch.testing.assert_close(adv, torch.tensor([-1 / (math.sqrt(2) + 1e-6), 1 / (math.sqrt(2) + 1e-6), 0.0]))
+
+
+def test_grpo_token_advantages_do_not_blow_up_a_process_reward():
+    """Two trajectories of one outcome, one of which earned a process reward of 0.1 on its first turn:
+    the group std must not turn that 0.1 into +-0.71. On turn k's tokens the advantage is the
+    group-normalised outcome plus the process rewards from turn k on, unnormalised; without process
+    rewards it is grpo_advantages on every action token."""
+    #               p  a0  a0  o  a1  a1   (a row per trajectory, two turns each)
+    mask = torch.tensor([[0., 1, 1, 0, 1, 1]] * 4)
+    steps = [[(n, 1, 3), (n, 4, 6)] for n in range(4)]
+    outcomes, groups = torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1])
+    process = torch.zeros(4, 6)
+    process[0, 2] = 0.1  # on the last token of trajectory 0's first turn
+    adv = rl.grpo_token_advantages(outcomes, groups, process, mask, steps, eps=0.0)
+    s = 0.5 / math.sqrt(0.5)  # group 1: (score - mean 0.5) / std sqrt(0.5) = 0.71
+    expected = torch.tensor([[0, .1, .1, 0, 0, 0], [0, 0, 0, 0, 0, 0], [0, -s, -s, 0, -s, -s], [0, s, s, 0, s, s]])
+    torch.testing.assert_close(adv, expected)
+    torch.testing.assert_close(rl.grpo_token_advantages(outcomes, groups, torch.zeros(4, 6), mask, steps),
+                               rl.grpo_advantages(outcomes, groups)[:, None] * mask)
+    with pytest.raises(ValueError, match="mask-0"):
+        rl.grpo_token_advantages(outcomes, groups, process.roll(1, dims=1), mask, steps)
 
 
 def test_uniform_groups_hand_built():

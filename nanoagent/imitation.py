@@ -1,0 +1,45 @@
+"""
+Warm start by imitation, before RL: a tiny or small model rarely earns a reward by chance, and
+without rewards that vary GRPO and PPO have nothing to learn from. The task's scripted
+demonstrations are imitated through the same trajectory assembly, forward passes, mask and loss
+aggregation as RL, so what the warm start trains is exactly what RL will score.
+"""
+
+import random
+
+import torch
+
+from nanoagent import rl
+from nanoagent.agent import scripted_trajectories
+from nanoagent.common import all_reduce, print0
+from nanoagent.engine import pad_token_id
+from nanoagent.model import collate, micro_steps, policy_forward
+
+
+def imitate(policy, env, rows, demonstrate, cfg, rank, world, device):
+    """
+    Warm start by imitation of the task's scripted demonstrations, through the same trajectory
+    assembly, forward, mask and loss aggregation as RL: maximise the logprob of the demonstrated
+    action tokens (mask = 1), a global token mean. Its own AdamW, so RL's optimizer starts fresh.
+    """
+    rng = random.Random(f"{cfg.seed}-demos-{rank}")
+    mine = rows[rank::world]
+    demos = scripted_trajectories(env, mine, [demonstrate(row, rng) for row in mine])
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.train.warm_start_lr, weight_decay=0.0)
+    per_rank = cfg.ppo.mini_batch_size // world
+    for step in range(cfg.train.warm_start_steps):
+        batch = collate([demos[rng.randrange(len(demos))] for _ in range(per_rank)], pad_token_id(env.tokenizer))
+        rows = list(range(len(batch["lengths"])))
+        [global_tokens] = all_reduce([batch["action_mask"].sum().item()])  # over all ranks: the loss is one global token mean
+        loss_sum = 0.0
+        for idx, get in micro_steps(batch, rows, cfg.train.micro_batch_tokens, device):
+            logprobs, _ = policy_forward(policy, get("input_ids"), get("attention_mask"))
+            loss = rl.aggregate_loss(-logprobs, get("action_mask") * (1.0 if idx else 0.0), "token_mean", global_tokens, None)
+            (loss * world).backward()
+            loss_sum += loss.item()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.train.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        [loss_sum] = all_reduce([loss_sum])
+        if step % 20 == 0 or step == cfg.train.warm_start_steps - 1:
+            print0(f"warm start {step + 1:4d}/{cfg.train.warm_start_steps} | nll {loss_sum:.4f}")

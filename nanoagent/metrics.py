@@ -1,0 +1,85 @@
+"""
+What train.py measures and logs, kept out of the RL loop it would otherwise crowd: the step's
+metrics, reduced over ranks in one collective each way, the one line printed per step, and the
+greedy evaluation on held-out prompts. A metric says only what was measured: a value that no rank
+measured in a step (the engine/trainer logprob gap when every trajectory was left out) is left
+out of that step's metrics rather than logged as a perfect 0.
+"""
+
+import math
+
+from nanoagent.agent import rollout_metrics, run_agent
+from nanoagent.common import reduce_metrics
+from nanoagent.engine import SamplingConfig
+
+
+def mean_over_updates(results):
+    """[(shares, globals)] of one model's optimizer steps in this step -> their means."""
+    mean = lambda dicts: {k: sum(d[k] for d in dicts) / len(dicts) for k in dicts[0]} if dicts else {}  # noqa: E731
+    return mean([r[0] for r in results]), mean([r[1] for r in results])
+
+
+def step_metrics(step, trajs, dropped, batch, policy_updates, critic_updates, kl, times):
+    """
+    The step's metrics, reduced over ranks once: this rank's shares are summed, the values every
+    rank agrees on (grad norms, skips) and the engine/trainer logprob gap are maxed. dropped:
+    {reason: trajectories left out of the update}, logged as fractions of all trajectories.
+    batch: the step's rows, with old_logprobs over the trained tokens; kl: [R, L] k1 or None;
+    times: perf_counter at the start of the step and after rollout, forward, update and push.
+    """
+    per_trajectory = {**rollout_metrics(trajs), **{k: v / len(trajs) for k, v in dropped.items()}}
+    policy_shares, policy_globals = mean_over_updates(policy_updates)
+    critic_shares, critic_globals = mean_over_updates(critic_updates)
+    mask = batch["action_mask"]  # the trained tokens: where the trainer's logprobs were computed
+    # -inf where this rank compared no token: the max over ranks is then the gap of the ranks that did
+    engine_diff = (batch["old_logprobs"] - batch["rollout_logprobs"]).abs()[mask > 0].max().item() if mask.any() else -math.inf
+    sums = {**{k: v * len(trajs) for k, v in per_trajectory.items()}, **policy_shares, **critic_shares, "trajectories": len(trajs),
+            "action_tokens": float(sum(sum(t.action_mask) for t in trajs)), "trained_tokens": mask.sum().item(),
+            "tokens": float(sum(batch["lengths"]))}
+    if kl is not None:
+        sums["kl"] = kl.sum().item()
+    maxes = {**policy_globals, **critic_globals, "engine_logprob_diff": engine_diff}
+    total = reduce_metrics(sums, maxes)
+    metrics = {"step": step + 1, **{k: total[k] / total["trajectories"] for k in per_trajectory}}
+    metrics.update({k: total[k] for k in [*policy_shares, *critic_shares, *maxes]})
+    if total["trained_tokens"] == 0:  # every trajectory was left out: nothing was compared
+        del metrics["engine_logprob_diff"]
+    metrics["policy_updates"] = len(policy_updates)  # 0 when every trajectory was left out: no step taken
+    if kl is not None:  # over the tokens that train
+        metrics["kl"] = total["kl"] / max(total["trained_tokens"], 1)
+    t0, t1, t2, t3, t4 = times
+    metrics.update({"time/rollout": t1 - t0, "time/forward": t2 - t1, "time/update": t3 - t2, "time/push": t4 - t3, "time/step": t4 - t0,
+                    "tokens_per_s": total["tokens"] / (t4 - t0), "action_tokens_per_s": total["action_tokens"] / (t4 - t0)})
+    return metrics
+
+
+def step_line(metrics, steps):
+    """The one line printed per step."""
+    m = metrics
+    return (f"step {m['step']:4d}/{steps} | reward {m['reward']:.3f} | turns {m['turns']:.2f} | resp {m['response_tokens']:.0f} | "
+            f"kl {m.get('kl', m.get('approx_kl', 0)):.4f} | clip {m.get('clipfrac', 0):.3f} | ent {m.get('entropy', 0):.3f} | "
+            f"gnorm {m.get('grad_norm', 0):.3f} | skip {m.get('skipped', 0):.2f} | drop {m['dropped_uniform']:.2f}+{m['dropped_overlong']:.2f} | "
+            f"rollout {m['time/rollout']:.1f}s fwd {m['time/forward']:.1f}s upd {m['time/update']:.1f}s push {m['time/push']:.2f}s | "
+            f"{m['tokens_per_s']:.0f} tok/s" + (f" | eval {m['eval/reward']:.3f}" if "eval/reward" in m else ""))
+
+
+def evaluate(engine, env, task, rows, cfg, rank, world):
+    """Greedy rollouts on this rank's share of the held-out prompts; means over all ranks of the
+    reward, turns, tool calls and the task's scores, overall and per question type (a row's `type`,
+    e.g. eval/2-hop/tool_calls: the behaviour behind a score)."""
+    rows = rows[:cfg.eval.num_prompts]
+    mine = rows[rank::world]
+    trajs = run_agent(engine, env, mine, SamplingConfig(cfg.rollout.max_new_tokens, greedy=True), cfg.rollout.max_turns,
+                      cfg.rollout.max_context_tokens)
+    for t in trajs:
+        task.score(t, cfg)
+    fields = ["reward", "turns", "tool_calls", *sorted({k for t in trajs for k in t.scores})]
+    types = sorted({str(r["type"]) for r in rows if r.get("type")})  # from every rank's rows: the same keys on all ranks
+    groups = {"": trajs, **{f"{ty}/": [t for t, r in zip(trajs, mine) if str(r.get("type")) == ty] for ty in types}}
+    sums = {}
+    for prefix, members in groups.items():  # rollout_metrics' means, times the count: this rank's share of each total
+        means = rollout_metrics(members)
+        sums[prefix + "n"] = len(members)
+        sums.update({prefix + k: means.get(k, 0.0) * len(members) for k in fields})
+    total = reduce_metrics(sums, {})
+    return {f"eval/{p}{k}": total[p + k] / max(total[p + "n"], 1) for p in groups for k in fields}

@@ -258,6 +258,11 @@ def save_checkpoint(run_dir, step, models, optimizers, extra, config, keep_last=
     dcp.save(state, checkpoint_id=final + ".tmp")  # each rank fsyncs the files it writes (DCP's sync_files)
     _write_json(os.path.join(final + ".tmp", f"rank{rank}.json"), {"step": step, "extra": extra, "rng": _rng_state()})
     dist.barrier()
+    # a run_dir on each node's own disk would leave rank 0 marking complete a folder without the other nodes' shards
+    unseen = [r for r in range(dist.get_world_size()) if not os.path.exists(os.path.join(final + ".tmp", f"rank{r}.json"))]
+    if error := _agree(f"does not see the files of rank(s) {unseen}" if unseen else None):
+        raise ConfigError(f"run_dir={run_dir}: {error} in {final}.tmp; run_dir must be one folder that every node shares "
+                          "(a shared filesystem), not a folder of that name on each node's own disk")
     if rank == 0:
         _write_json(os.path.join(final + ".tmp", "config.json"), config)
         _fsync(final + ".tmp")  # every file's entry, before the marker says they are there

@@ -1,5 +1,5 @@
 """Shared fixtures: the tiny model, with its own tokenizer and with Qwen2.5's (each built once per session,
-no downloads), and offline settings."""
+no downloads), offline settings, and the end of every process a test started (tests/procs.py)."""
 
 import os
 
@@ -12,7 +12,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
+import procs  # noqa: E402
 from nanoagent.tiny import build_tiny_model  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def end_started_processes():
+    """The processes a test started (procs.start, procs.run), with their trees, end when the test
+    ends, whatever ended it: a failure, an exception, Ctrl-C (pytest tears down before it exits)."""
+    yield
+    procs.end_all()
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,13 @@ Observation tokens come from rendering only the new messages: the chat-template 
 the assistant turn, the tool turn, and the header of the next assistant turn, i.e. the suffix the
 template adds after the assistant's content. The trajectory is then exactly what the template
 would render for the same conversation.
+
+Tool output is text, never conversation structure: a search result holding "<|im_end|>" must not
+close the tool turn for the model. So the template is rendered with a marker in place of each tool
+result and the ids are assembled as the tokenizer would make them (it cuts text at special tokens
+and encodes each stretch between them on its own), except that special-token strings inside a
+result stay ordinary text (encode_rendered). Everything that encodes tool text goes through it:
+observations, the prompts of context=last_k, and the budget count of truncation.
 """
 
 import ast
@@ -34,6 +41,7 @@ import jsonschema
 
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 TRUNCATION_MARK = "\n[truncated]"
+TOOL_RESULT_MARKER = "\x00tool result\x00"  # rendered in place of each tool result, then split on (encode_rendered)
 
 
 @dataclass
@@ -258,14 +266,13 @@ class ToolEnv:
         observation, the truncation mark included (result_tokens). The cut falls where one of the
         text's tokens begins, which is always between two characters (the tokens of a character
         made of several share its start), so no character is split and no U+FFFD appears. One
-        encode with offsets finds those places; the longest prefix that fits is then found by
+        encode of the text with offsets finds those places; the longest prefix that fits is found by
         trying them from about the budget down, a few encodes of about the budget's length.
         """
-        before, after, alone = self._result_frame
-        enc = self.tokenizer(before + text + after, add_special_tokens=False, return_offsets_mapping=True)
-        if len(enc["input_ids"]) - alone <= self.max_obs_tokens:
+        if self.result_tokens(text) <= self.max_obs_tokens:
             return text
-        starts = sorted({s - len(before) for s, _ in enc["offset_mapping"] if 0 < s - len(before) < len(text)})
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=True)
+        starts = sorted({s for s, _ in enc["offset_mapping"] if 0 < s < len(text)})
         for n in reversed(starts[:self.max_obs_tokens]):  # text[:starts[k]] holds about k + 1 tokens
             if self.result_tokens(text[:n] + TRUNCATION_MARK) <= self.max_obs_tokens:
                 return text[:n] + TRUNCATION_MARK
@@ -277,31 +284,70 @@ class ToolEnv:
         tool message, encoded with it minus without it. A result alone would be miscounted, since
         merges span its edges (".\n" is one Qwen token, the "\n" being the template's).
         """
-        before, after, alone = self._result_frame
-        return len(self.tokenizer.encode(before + text + after, add_special_tokens=False)) - alone
+        framed, alone = self._result_frame
+        return len(self.encode_rendered(framed, [text])) - alone
 
     @functools.cached_property
     def _result_frame(self):
-        """(template text before a tool result, after it, tokens of the two alone), rendered once."""
-        marker = "\x00tool result\x00"
-        text = self.tokenizer.apply_chat_template([{"role": "user", "content": "?"}, {"role": "assistant", "content": "?"},
-                                                   {"role": "tool", "content": marker}], tokenize=False, add_generation_prompt=True)
-        if text.count(marker) != 1:
-            raise ValueError("the chat template does not render a tool result verbatim")
-        before, after = text.split(marker)
-        return before, after, len(self.tokenizer.encode(before + after, add_special_tokens=False))
+        """(a short conversation ending in one tool result, rendered with the marker in its place;
+        the tokens of that conversation without the result), rendered once."""
+        framed = self.tokenizer.apply_chat_template([{"role": "user", "content": "?"}, {"role": "assistant", "content": "?"},
+                                                     {"role": "tool", "content": TOOL_RESULT_MARKER}], tokenize=False,
+                                                    add_generation_prompt=True)
+        return framed, len(self.encode_rendered(framed, [""]))
+
+    @functools.cached_property
+    def _special_tokens(self):
+        """A regex of the tokenizer's special tokens, longest first (where two start at one place the
+        tokenizer takes the longer), in a group so that re.split keeps them."""
+        specials = sorted((t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special), key=len, reverse=True)
+        if not specials:
+            raise ValueError("the tokenizer has no special tokens; a chat template needs at least its end-of-turn token")
+        return re.compile("(" + "|".join(map(re.escape, specials)) + ")")
+
+    def encode_rendered(self, text, results):
+        """
+        The ids of template text rendered with TOOL_RESULT_MARKER in place of each of `results`, the
+        results put back as text. The tokenizer cuts a text at its special tokens and encodes each
+        stretch in between on its own; this does the same with the template's special tokens only,
+        and encodes the stretches with split_special_tokens, so a special token's string inside a
+        result becomes ordinary tokens. Without such strings the ids are exactly encode(text with the
+        results), merges across a result's edges included.
+        """
+        pieces = text.split(TOOL_RESULT_MARKER)
+        if len(pieces) != len(results) + 1:
+            raise ValueError(f"the chat template rendered {len(pieces) - 1} of {len(results)} tool results verbatim; "
+                             "nanoagent needs a template that renders tool results as they are")
+        stretches, specials = [""], []  # text between the template's special tokens, and those tokens
+        for k, piece in enumerate(pieces):
+            parts = self._special_tokens.split(piece)  # text, special, text, ..., text
+            stretches[-1] += parts[0]
+            for special, after in zip(parts[1::2], parts[2::2]):
+                specials.append(special)
+                stretches.append(after)
+            if k < len(results):
+                stretches[-1] += results[k]
+        encoded = self.tokenizer(stretches, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        ids = encoded[0]
+        for special, stretch in zip(specials, encoded[1:]):
+            ids = ids + [self.tokenizer.convert_tokens_to_ids(special)] + stretch
+        return ids
 
     def render(self, messages, add_generation_prompt=False):
         return self.tokenizer.apply_chat_template(messages, tools=self.schemas() or None, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
 
     def prompt_ids(self, messages):
-        return self.tokenizer.encode(self.render(messages, add_generation_prompt=True), add_special_tokens=False)
+        """The ids of a conversation and the next assistant header, its tool results as text."""
+        text = self.render(marked(messages), add_generation_prompt=True)
+        return self.encode_rendered(text, [m["content"] for m in messages if m["role"] == "tool"])
 
     def prompt_lengths(self, conversations):
-        """len(prompt_ids(m)) for many conversations, with one batched encode (a prompt file at once)."""
+        """len(prompt_ids(m)) for many conversations, with one batched encode (a prompt file at once)
+        of those without tool results, which encode_rendered would encode the same."""
         texts = [self.render(m, add_generation_prompt=True) for m in conversations]
-        return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        return [len(self.prompt_ids(m)) if any(x["role"] == "tool" for x in m) else n for m, n in zip(conversations, lengths)]
 
     def observation_ids(self, messages, content, tool_results, ended_with_eos=False):
         """
@@ -310,15 +356,16 @@ class ToolEnv:
         one tool message per result, and the next assistant header. `messages` is the conversation
         before the assistant turn; returns (ids, new messages to append to the conversation).
         When the model sampled EOS itself, that token is already the start of the closing glue.
+        The results are rendered as markers and encoded as text (encode_rendered).
         """
+        messages = marked(messages)
         before = self.render(messages, add_generation_prompt=True)
         assistant = {"role": "assistant", "content": content}
         with_turn = self.render(messages + [assistant])
         if not with_turn.startswith(before + content):
             raise ValueError("the chat template does not render assistant content verbatim after the generation "
                              "prompt; token-in/token-out trajectories need a template that does")
-        new_messages = turn_messages(content, tool_results)
-        after = self.render(messages + new_messages, add_generation_prompt=True)
+        after = self.render(messages + turn_messages(content, [TOOL_RESULT_MARKER] * len(tool_results)), add_generation_prompt=True)
         if not after.startswith(with_turn):
             raise ValueError("the chat template re-renders earlier turns when tool messages are added")
         text = with_turn[len(before + content):] + after[len(with_turn):]
@@ -326,7 +373,7 @@ class ToolEnv:
             if not text.startswith(self.tokenizer.eos_token):
                 raise ValueError("the chat template does not close an assistant turn with the EOS token")
             text = text[len(self.tokenizer.eos_token):]
-        return self.tokenizer.encode(text, add_special_tokens=False), new_messages
+        return self.encode_rendered(text, tool_results), turn_messages(content, tool_results)
 
     def step_messages(self, messages, n_prompt):
         """
@@ -346,6 +393,11 @@ class ToolEnv:
 def turn_messages(content, tool_results):
     """The messages one turn adds to a conversation: the assistant's, then one per tool result."""
     return [{"role": "assistant", "content": content}] + [{"role": "tool", "content": r} for r in tool_results]
+
+
+def marked(messages):
+    """The conversation with TOOL_RESULT_MARKER in place of each tool result (see encode_rendered)."""
+    return [{**m, "content": TOOL_RESULT_MARKER} if m["role"] == "tool" else m for m in messages]
 
 
 # -----------------------------------------------------------------------------

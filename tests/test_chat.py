@@ -10,7 +10,6 @@ import pty
 import select
 import shutil
 import signal
-import subprocess
 import sys
 import time
 import unicodedata
@@ -20,6 +19,7 @@ import pytest
 from rich.console import Console
 from transformers import AutoTokenizer
 
+import procs
 import scripted
 from nanoagent.agent import Trajectory
 from nanoagent.engine import HFEngine, SamplingConfig, stop_token_ids
@@ -156,17 +156,17 @@ def test_panels_escape_bidi_controls(env):
 
 @pytest.mark.slow
 def test_question_answers_once_through_a_tool_call(chat_model):
-    proc = subprocess.run(CHAT + ["--model", chat_model, "--system", SYSTEM, "--engine", "vllm", "--question", QUESTION,
-                                  "data.task=arithmetic"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = procs.run(CHAT + ["--model", chat_model, "--system", SYSTEM, "--engine", "vllm", "--question", QUESTION,
+                             "data.task=arithmetic"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout  # a pipe: plain text, no colour codes, nothing but the panels
     assert "\x1b[" not in out and out.lstrip().startswith("╭─ tool call")
     at = [out.index('calculator({"expression": "12*7"})'), out.index("calculator result"), out.index("answer")]
     assert at == sorted(at) and "84" in out[at[1]:at[2]] and "84" in out[at[2]:]
     # with a context per step, each step says what it saw (the fallback engine: no second vLLM start)
-    proc = subprocess.run(CHAT + ["--model", chat_model, "--system", SYSTEM, "--engine", "hf", "--question", QUESTION,
-                                  "data.task=arithmetic", "rollout.context=last_k", "rollout.keep_turns=1"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = procs.run(CHAT + ["--model", chat_model, "--system", SYSTEM, "--engine", "hf", "--question", QUESTION,
+                             "data.task=arithmetic", "rollout.context=last_k", "rollout.keep_turns=1"],
+                     capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert out.index("(step 1 saw the prompt: ") < out.index("tool call") < out.index("(step 2 saw the prompt and turn 1: ") < out.index("answer")
@@ -207,7 +207,7 @@ def exit_status(pid, last_words, timeout=60):
         time.sleep(0.1)
     signals = [line for line in open(f"/proc/{pid}/status") if line.startswith(("SigPnd", "ShdPnd", "SigBlk", "SigIgn"))]
     threads = [open(f"/proc/{pid}/task/{t}/wchan").read() for t in sorted(os.listdir(f"/proc/{pid}/task"))]
-    stack = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 12"], capture_output=True, text=True).stdout \
+    stack = procs.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 12"], capture_output=True, text=True, timeout=120).stdout \
         if shutil.which("gdb") else ""
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
@@ -234,7 +234,7 @@ def test_interactive_chat_in_a_terminal(chat_model, leave):
 
 
 def run_chat(*args):
-    return subprocess.run(CHAT + list(args), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return procs.run(CHAT + list(args), capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
 def test_an_empty_question_is_refused_before_the_model_loads(tmp_path):

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 
+import procs
 import pytest
 import torch
 import torch.distributed as dist
@@ -54,9 +55,8 @@ def world_of_one():
 def test_saves_survive_kill_9_at_random_moments(tmp_path, tiny_model_dir):
     rng = random.Random(0)
     run_dir = tmp_path / "run"
-    driver = subprocess.Popen([sys.executable, DRIVER, str(run_dir), tiny_model_dir], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                              start_new_session=True)
+    driver = procs.start([sys.executable, DRIVER, str(run_dir), tiny_model_dir], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     lines, transcript = queue.Queue(), []
 
     def read():
@@ -202,7 +202,7 @@ def start_train(run_dir, *overrides):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
            os.path.join(ROOT, "train.py"), *QUICK, f"run_dir={run_dir}", *overrides]
     with open(f"{run_dir}.log", "w") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        return procs.start(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def kill_9(torchrun):
@@ -332,7 +332,7 @@ def test_resume_skips_a_checkpoint_whose_marker_or_config_does_not_read(damage, 
 def test_ranks_fall_back_together(tmp_path, tiny_model_dir):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            os.path.join(ROOT, "tests", "load_fallback.py"), str(tmp_path / "run"), tiny_model_dir]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = procs.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert sorted(re.findall(r"rank \d resumed .*", proc.stdout)) == ["rank 0 resumed 1 {'step': 1}", "rank 1 resumed 1 {'step': 1}"]
     assert "step_000002 does not load: rank 1: JSONDecodeError" in proc.stdout

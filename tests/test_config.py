@@ -4,11 +4,11 @@ import ast
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
+import procs
 from nanoagent.config import PRESETS, Config, ConfigError, all_keys, from_dict, make_config, save_config, to_dict
 
 
@@ -97,11 +97,11 @@ def test_round_trip_through_json(tmp_path):
 
 
 def test_train_cli_prints_saves_and_refuses(tmp_path):
-    out = subprocess.run([sys.executable, "train.py", "--help"], capture_output=True, text=True)
+    out = procs.run([sys.executable, "train.py", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "rollout.max_turns" in out.stdout and "tiny" in out.stdout
-    bad = subprocess.run([sys.executable, "train.py", "--config=tiny", "rollout.max_turn=4"], capture_output=True, text=True)
+    bad = procs.run([sys.executable, "train.py", "--config=tiny", "rollout.max_turn=4"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "rollout.max_turns" in bad.stderr
-    tp = subprocess.run([sys.executable, "train.py", "--config=tiny", "rollout.tensor_parallel_size=2"], capture_output=True, text=True)
+    tp = procs.run([sys.executable, "train.py", "--config=tiny", "rollout.tensor_parallel_size=2"], capture_output=True, text=True, timeout=120)
     assert tp.returncode == 2 and "train.py takes 1 only" in tp.stderr
 
 

@@ -4,7 +4,6 @@ check every prompt file gets when it is loaded."""
 import json
 import os
 import random
-import subprocess
 import sys
 from collections import Counter
 
@@ -12,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import procs
 import prepare_data
 from nanoagent.config import make_config
 from nanoagent.data import load_prompts, row_problem, write_prompts
@@ -25,8 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def prepare(*args):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "prepare_data.py"), *map(str, args)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = procs.run([sys.executable, os.path.join(ROOT, "prepare_data.py"), *map(str, args)], capture_output=True, text=True,
+                     cwd=ROOT, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     return proc
 
 

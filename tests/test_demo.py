@@ -6,10 +6,11 @@ questions than on 1-hop ones."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+import procs
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -17,8 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_make_demo_learns_to_search_and_writes_the_report(tmp_path):
     demo = tmp_path / "demo"
-    proc = subprocess.run(["make", "demo", f"DEMO={demo}", f"PY={sys.executable}"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=1800)
+    proc = procs.run(["make", "demo", f"DEMO={demo}", f"PY={sys.executable}"], cwd=ROOT, capture_output=True,
+                     text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name in ("data/train.parquet", "data/val.parquet", "data/corpus.jsonl", "data/scrambled.jsonl", "data/dialogues.jsonl",
                  "data/index/meta.json", "model/tokenizer.json"):

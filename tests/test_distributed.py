@@ -3,12 +3,12 @@ do not depend on the number of ranks or the micro-batch size."""
 
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
 import torch
 
+import procs
 from dist_grad import batch, grad_of
 from nanoagent.model import load_causal_lm
 
@@ -27,7 +27,7 @@ def torchrun_grad(model_dir, nproc, micro_tokens, out, keep=None):
            os.path.join(HERE, "dist_grad.py"), "--model", model_dir, "--micro-tokens", str(micro_tokens), "--out", str(out),
            *(["--keep", *map(str, keep)] if keep is not None else [])]
     env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = procs.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
 
@@ -71,6 +71,6 @@ def test_a_world_of_one_serves_its_store_on_loopback_only():
             "        if int(hex_port, 16) == port and line.split()[3] == '0A':  # 0A: LISTEN\n"
             "            print(address)\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**env, "OMP_NUM_THREADS": "1"})
+    proc = procs.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**env, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["0100007F"], proc.stdout  # 127.0.0.1, and nothing else listens on the store's port

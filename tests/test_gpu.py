@@ -10,13 +10,13 @@ peak memory.
 import json
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
 import torch
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
+import procs
 from nanoagent.tiny import ensure_tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -53,7 +53,7 @@ def test_one_step_fsdp2_nccl_bf16(algo, qwen_shaped_dir, tmp_path):
            "rollout.engine=hf", "rollout.dtype=bfloat16", "train.dtype=bfloat16", "train.activation_checkpointing=true",
            "train.warm_start_steps=2", f"rollout.prompts_per_step={8 * nproc}", f"ppo.mini_batch_size={16 * nproc}",
            "train.kl_mode=loss" if algo == "grpo" else "train.kl_mode=reward"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800)
+    proc = procs.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     [step] = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if '"time/step"' in line]
     assert step["skipped"] == 0 and step["tokens_per_s"] > 0
@@ -62,7 +62,7 @@ def test_one_step_fsdp2_nccl_bf16(algo, qwen_shaped_dir, tmp_path):
 
 
 def test_update_bench_prints_throughput():
-    proc = subprocess.run([sys.executable, "bench/bench_train.py", "--update-only"], capture_output=True, text=True, cwd=ROOT, timeout=1800)
+    proc = procs.run([sys.executable, "bench/bench_train.py", "--update-only"], capture_output=True, text=True, cwd=ROOT, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tokens/s per GPU" in proc.stdout and "MFU" in proc.stdout and "peak memory" in proc.stdout
     print(proc.stdout)

@@ -7,7 +7,6 @@ they are loaded, and the data order. (PPO and GRPO steps in bf16 under torchrun:
 import os
 import random
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
+import procs
 import train
 from nanoagent import common, rl
 from nanoagent.agent import scripted_trajectories
@@ -190,7 +190,7 @@ def test_long_prompts_stop_every_rank_when_the_data_is_loaded(tiny_model_dir):
     over = [r["id"] for r, n in zip(rows, lengths) if n > min(lengths)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", "train.py", "--config=tiny",
            f"model={tiny_model_dir}", f"data.max_prompt_tokens={min(lengths)}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = procs.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0
     assert f"{len(over)} of {len(rows)} prompts are longer than data.max_prompt_tokens={min(lengths)} (first: {over[0]}," in proc.stderr
     assert "data.bad_prompts=drop" in proc.stderr

@@ -11,12 +11,12 @@ import os
 import re
 import shutil
 import socket
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+import procs
 from nanoagent.retriever import (EMBEDDINGS, META, DocStore, IndexRetriever, InMemoryRetriever, iter_corpus, load_corpus,
                                  load_encoder, packaged_minilm_path)
 from nanoagent.tasks.synthetic import make_split
@@ -46,9 +46,9 @@ def world(tmp_path_factory):
     train, val, corpus = make_split(seed=0, **SIZES)
     corpus_path = write_jsonl(corpus, root / "corpus.jsonl")
     out = root / "index"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "build_index.py"), f"--corpus={corpus_path}", f"--out={out}",
-                           f"--encoder={packaged_minilm_path()}", "--shard-size=64"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = procs.run([sys.executable, os.path.join(ROOT, "build_index.py"), f"--corpus={corpus_path}", f"--out={out}",
+                      f"--encoder={packaged_minilm_path()}", "--shard-size=64"],
+                     capture_output=True, text=True, cwd=ROOT, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "built" in proc.stdout and "130 passages" in proc.stdout
     return {"rows": train + val, "corpus": corpus, "corpus_path": corpus_path, "index": str(out)}
@@ -193,11 +193,11 @@ def test_torchrun_two_ranks_build_the_same_index(world, tmp_path, encoder):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "index"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-                           os.path.join(ROOT, "build_index.py"), f"--corpus={world['corpus_path']}", f"--out={out}",
-                           f"--encoder={packaged_minilm_path()}", "--shard-size=64"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=600,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    proc = procs.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+                      os.path.join(ROOT, "build_index.py"), f"--corpus={world['corpus_path']}", f"--out={out}",
+                      f"--encoder={packaged_minilm_path()}", "--shard-size=64"],
+                     capture_output=True, text=True, cwd=ROOT, timeout=600,
+                     env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "embedding 2 of 2 shards on rank 0 (3 shards, 2 ranks" in proc.stdout  # shards 0 and 2; rank 1 did 1
     for s in range(3):

@@ -11,10 +11,11 @@ held-out greedy reward by >= 0.2 absolute.
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+import procs
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,7 +25,7 @@ RL = ["steps=16", "eval.every=8", "train.lr=3e-4", "ppo.critic_lr=1e-3"]
 
 def train(run_dir, *overrides):
     cmd = [sys.executable, "train.py", "--config=tiny", f"run_dir={run_dir}", "resume=never", *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT)
+    proc = procs.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
 

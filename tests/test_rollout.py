@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import procs
 import scripted
 from nanoagent.agent import run_agent
 from nanoagent.engine import HFEngine, SamplingConfig, VLLMEngine, stop_token_ids
@@ -273,15 +274,14 @@ def test_multi_turn_search_over_a_built_index(engine, env, index_dir):
 
 
 def test_rollout_cli_writes_trajectories_and_metrics(scripted_dir, index_dir, tmp_path):
-    import subprocess
     data = tmp_path / "prompts.jsonl"
     with open(data, "w") as f:
         for q, answer in [("Compute 12*7.", "84"), ("Say hi.", "hi"), ("Who founded Nanotown?", "Ada Quill")]:
             f.write(json.dumps({"id": q, "messages": scripted.user(q), "answers": [answer]}) + "\n")
     out = tmp_path / "rollouts.jsonl"
-    proc = subprocess.run([sys.executable, "rollout.py", "--model", scripted_dir, "--data", str(data), "--out", str(out),
-                           "--tools", "calculator,search", "--index", index_dir, "--greedy", "--config", "tiny",
-                           "rollout.max_turns=3", "reward.format_weight=0.5"], capture_output=True, text=True, timeout=600)
+    proc = procs.run([sys.executable, "rollout.py", "--model", scripted_dir, "--data", str(data), "--out", str(out),
+                      "--tools", "calculator,search", "--index", index_dir, "--greedy", "--config", "tiny",
+                      "rollout.max_turns=3", "reward.format_weight=0.5"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == ["Compute 12*7.", "Say hi.", "Who founded Nanotown?"]
@@ -291,17 +291,17 @@ def test_rollout_cli_writes_trajectories_and_metrics(scripted_dir, index_dir, tm
         assert r["reward"] == r["scores"]["em"] + 0.5 * r["scores"]["format"]
     assert "em " in proc.stdout and "format " in proc.stdout and "finish/answer" in proc.stdout and "action_tokens_per_s" in proc.stdout
     # a context per step: each trajectory also holds the prompt each turn was sampled from (the fallback engine, greedy)
-    proc = subprocess.run([sys.executable, "rollout.py", "--model", scripted_dir, "--data", str(data), "--out", str(out),
-                           "--tools", "calculator,search", "--index", index_dir, "--greedy", "--config", "tiny", "rollout.engine=hf",
-                           "rollout.max_turns=3", "reward.format_weight=0.5", "rollout.context=last_k", "rollout.keep_turns=1"],
-                          capture_output=True, text=True, timeout=600)
+    proc = procs.run([sys.executable, "rollout.py", "--model", scripted_dir, "--data", str(data), "--out", str(out),
+                      "--tools", "calculator,search", "--index", index_dir, "--greedy", "--config", "tiny", "rollout.engine=hf",
+                      "rollout.max_turns=3", "reward.format_weight=0.5", "rollout.context=last_k", "rollout.keep_turns=1"],
+                     capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     last_k = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["scores"] for r in last_k] == [r["scores"] for r in rows]  # two turns at most: K=1 leaves nothing out
     for r in last_k:
         assert len(r["step_prompt_ids"]) == r["turns"] and r["step_prompt_ids"][0] == r["prompt_ids"] and all(r["action_mask"])
-    bad = subprocess.run([sys.executable, "rollout.py", "--model", scripted_dir, "--data", str(tmp_path / "missing.parquet")],
-                         capture_output=True, text=True)
+    bad = procs.run([sys.executable, "rollout.py", "--model", scripted_dir, "--data", str(tmp_path / "missing.parquet")],
+                    capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "does not exist" in bad.stderr
 
 

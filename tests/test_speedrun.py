@@ -4,9 +4,9 @@ runs, report.md has the validation metrics and stage times, and a rerun skips th
 
 import json
 import os
-import subprocess
 import sys
 
+import procs
 import pytest
 from test_data import hotpot_record
 
@@ -36,7 +36,7 @@ def test_speedrun_stages_on_the_cpu(tmp_path):
            "CORPUS": str(tmp_path / "corpus.jsonl"), "ENCODER": packaged_minilm_path(), "QUERY_PREFIX": "", "PASSAGE_PREFIX": "",
            "TRAIN_SIZE": "8", "VAL_SIZE": "4", "EXTRA": EXTRA, "PY": sys.executable,
            "TORCHRUN": os.path.join(os.path.dirname(sys.executable), "torchrun")}
-    proc = subprocess.run(["bash", "speedrun.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    proc = procs.run(["bash", "speedrun.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     stages = [line.split("\t")[0] for line in (out / "stages.tsv").read_text().splitlines()]
     assert stages == ["data", "index", "train", "eval"]
@@ -44,6 +44,6 @@ def test_speedrun_stages_on_the_cpu(tmp_path):
     assert "## Validation set: 4 questions" in report and "| substring_em |" in report and "| f1 |" in report
     assert "## Stages" in report and "GPU-hours" in report and "![reward.png](reward.png)" in report
 
-    again = subprocess.run(["bash", "speedrun.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    again = procs.run(["bash", "speedrun.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("done before, skipped") == 5

@@ -5,11 +5,11 @@ name or by path, and a task written in a file of its own, outside the repository
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+import procs
 from nanoagent.config import ConfigError, make_config
 from nanoagent.tasks import load_task, task_names
 
@@ -80,10 +80,10 @@ def test_a_task_in_a_file_of_its_own_trains(tmp_path):
     demonstrations and scoring, and nothing else changes."""
     (tmp_path / "lookup.py").write_text(LOOKUP_TASK)
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "train.py", "--config=tiny", f"data.task={tmp_path / 'lookup.py'}", f"run_dir={run_dir}",
-                           "steps=1", "train.warm_start_steps=60", "train.warm_start_lr=3e-3", "rollout.prompts_per_step=4",
-                           "ppo.mini_batch_size=8", "eval.every=1", "eval.num_prompts=4"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = procs.run([sys.executable, "train.py", "--config=tiny", f"data.task={tmp_path / 'lookup.py'}", f"run_dir={run_dir}",
+                      "steps=1", "train.warm_start_steps=60", "train.warm_start_lr=3e-3", "rollout.prompts_per_step=4",
+                      "ppo.mini_batch_size=8", "eval.every=1", "eval.num_prompts=4"],
+                     capture_output=True, text=True, cwd=ROOT, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     step = [m for m in metrics if m["step"] == 1 and "reward" in m][0]

@@ -20,6 +20,8 @@ import time
 import pytest
 import torch
 
+import procs
+
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BF16_LOGPROB_DIFF = 0.1  # measured: ~0.03 after the warm start and after an update; stale weights give several nats
@@ -37,7 +39,7 @@ def train(run_dir, *overrides, nproc=2, env_cache=None, script="train.py"):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
            os.path.join(ROOT, script), *QUICK, f"run_dir={run_dir}", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NANOAGENT_CACHE": env_cache or os.environ.get("NANOAGENT_CACHE", "")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env={k: v for k, v in env.items() if v})
+    proc = procs.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env={k: v for k, v in env.items() if v})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout, [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
 
@@ -160,7 +162,7 @@ def test_sigterm_checkpoints_at_the_next_safe_point_and_exits_143(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            os.path.join(ROOT, "train.py"), *QUICK, *overrides]
     with open(tmp_path / "log", "w") as log:
-        torchrun = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        torchrun = procs.start(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     while "step    1/4" not in open(tmp_path / "log").read():
         assert torchrun.poll() is None, open(tmp_path / "log").read()[-3000:]
         time.sleep(0.05)

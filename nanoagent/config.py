@@ -107,7 +107,7 @@ class TrainConfig:
     activation_checkpointing: bool = opt(True, "recompute activations in the backward pass")
     save_every: int = opt(50, "checkpoint every N steps (0: only at the end and on SIGTERM)")
     keep_last: int = opt(2, "complete checkpoints kept in run_dir (0: all); older ones are deleted once a new one is complete")
-    tool_call_reward: float = opt(0.0, "process reward on the last token of each turn whose tool calls all succeeded")
+    tool_call_reward: float = opt(0.0, "process reward on the last token of each turn whose tool calls all succeeded (GRPO adds it unnormalised, from its turn on)")
     warm_start_steps: int = opt(0, "imitation steps on the task's scripted demonstrations before RL (0: none)")
     warm_start_lr: float = opt(1e-3, "learning rate of the imitation warm start")
 

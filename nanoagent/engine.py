@@ -19,7 +19,11 @@ generate() does a whole batch at once; load_weights, sleep, wake.
 
 Token-in/token-out matters: the ids the engine sampled are kept exactly, so the trainer scores
 the very tokens that were sampled (decode -> re-encode is lossy). Logprobs are those of the
-distribution actually sampled from (after temperature), which is what the trainer recomputes.
+distribution actually sampled from: softmax(logits / T), and with top_p < 1 that restricted to the
+nucleus and renormalised. That is the behaviour distribution truncated importance sampling divides
+by, and all vLLM reports after temperature (its processed logprobs); both engines report it. The
+trainer's old logprobs stay the full softmax (the policy it trains); engine_logprob_diff compares
+the engine with the trainer's logprobs renormalised over the same nucleus (rl.nucleus_logprobs).
 """
 
 import importlib.util
@@ -29,11 +33,13 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM
 
+from nanoagent.rl import nucleus_mask
+
 
 @dataclass
 class Generation:
     token_ids: list      # sampled ids, in order, including the stop token when one was hit
-    logprobs: list       # logprob of each sampled id under the sampling distribution
+    logprobs: list       # logprob of each sampled id under the sampling distribution (top_p < 1: renormalised over the nucleus)
     finish_reason: str   # "stop": hit EOS or a stop token; "length": hit the token budget
 
 
@@ -98,10 +104,13 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
+        # ignore_eos: stop on exactly self.stop_ids (the tokenizer's EOS among them), as HFEngine does. vLLM would
+        # also stop on the eos ids of the model's generation_config.json (Qwen2.5-Instruct: <|endoftext|> too),
+        # which the chat template never closes a turn with; generation_config="vllm" does not drop them.
         params = SamplingParams(
             max_tokens=max_new_tokens, temperature=0.0 if sampling.greedy else sampling.temperature,
-            top_p=1.0 if sampling.greedy else sampling.top_p, stop_token_ids=self.stop_ids, seed=seed, logprobs=0,
-            detokenize=False, skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY)
+            top_p=1.0 if sampling.greedy else sampling.top_p, stop_token_ids=self.stop_ids, ignore_eos=True, seed=seed,
+            logprobs=0, detokenize=False, skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY)
         self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), params)
 
     def step(self):
@@ -179,9 +188,10 @@ class HFEngine:
     def generate(self, prompts, sampling, max_new_tokens=None, seeds=None):
         """
         As VLLMEngine.generate. Each step samples from softmax(logits / T), restricted to the top_p
-        nucleus when top_p < 1 (greedy: the argmax), and keeps the chosen token's logprob under
-        softmax(logits / T) in fp32 (greedy: T = 1), unfiltered: what the trainer recomputes. The
-        model's generation_config (repetition penalty, top_k, ...) plays no part. One generator
+        nucleus (rl.nucleus_mask, vLLM's rule) and renormalised when top_p < 1 (greedy: the argmax),
+        and keeps the chosen token's logprob under that distribution in fp32 (greedy: softmax of the
+        raw logits), as vLLM reports it. The model's generation_config (repetition penalty, top_k,
+        eos ids, ...) plays no part. One generator
         samples the whole batch: seeded by seeds[0] when seeds are given, else by the engine's
         counter (seed, seed + 1, ... one per call); so, unlike vLLM's per-row seeds, a row's
         sample depends on the batch it is in.
@@ -213,12 +223,10 @@ class HFEngine:
                              past_key_values=cache, use_cache=True, logits_to_keep=1)
             cache = out.past_key_values
             logprobs = torch.log_softmax(out.logits[:, -1].float() / temperature, -1)   # [B, V]
+            if not sampling.greedy and sampling.top_p < 1.0:  # the nucleus, renormalised: the distribution sampled from
+                logprobs = torch.log_softmax(logprobs.masked_fill(~nucleus_mask(logprobs.exp(), sampling.top_p), -torch.inf), -1)
             if sampling.greedy:
                 next_ids = logprobs.argmax(-1)                                          # [B]
-            elif sampling.top_p < 1.0:
-                probs, order = logprobs.exp().sort(-1, descending=True)                 # [B, V]
-                probs = probs.masked_fill(probs.cumsum(-1) - probs >= sampling.top_p, 0.0)  # nucleus: mass before < top_p
-                next_ids = order.gather(-1, torch.multinomial(probs, 1, generator=generator)).squeeze(-1)
             else:
                 next_ids = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
             new_ids.append(next_ids)

@@ -252,6 +252,46 @@ def truncated_is_weights(trainer_logprobs, rollout_logprobs, mask, cap=2.0):
 
 
 # -----------------------------------------------------------------------------
+# the top_p nucleus: what the engines sample from and report logprobs of when rollout.top_p < 1
+
+def nucleus_mask(probs, top_p):
+    """
+    The top_p nucleus of each distribution in probs [..., V]: True on the tokens kept. vLLM's rule
+    (apply_top_k_top_p), so that both engines and the trainer draw the same line: with the tokens
+    sorted by increasing probability, a token is left out while the mass up to and including it is
+    <= 1 - top_p; the most probable token always stays.
+    """
+    ascending, order = probs.sort(-1)                                  # [..., V]
+    dropped = ascending.cumsum(-1) <= 1 - top_p
+    dropped[..., -1] = False
+    return ~torch.zeros_like(dropped).scatter_(-1, order, dropped)
+
+
+@torch.no_grad()
+def nucleus_logprobs(logits, labels, temperature, top_p, chunk_size=None):
+    """
+    Per-token logprob of `labels` under softmax(logits / temperature) restricted to its top_p
+    nucleus and renormalised: the distribution the engine sampled from, whose logprobs it reports
+    (vLLM's processed logprobs cannot be had before the nucleus). logits: [..., V], labels: [...];
+    returns fp32 [...]. The importance ratio of truncated IS keeps the full softmax on the trainer's
+    side (the policy trained) over this behaviour distribution; this function is for comparing the
+    engine with the trainer like with like (engine_logprob_diff). A label just outside the trainer's
+    nucleus (the engine rounded the boundary the other way) gets its renormalised logprob all the
+    same: a small gap, not an infinite one. chunk_size: rows per fp32 chunk (a sort is two copies).
+    """
+    shape, V = labels.shape, logits.shape[-1]
+    logits, labels = logits.reshape(-1, V), labels.reshape(-1)
+    chunk_size = chunk_size or max(1, 2 ** 23 // V)
+    out = torch.empty(labels.shape, dtype=torch.float32, device=logits.device)
+    for s in range(0, len(labels), chunk_size):
+        logprobs = torch.log_softmax(logits[s:s + chunk_size].float() / temperature, -1)   # [n, V]
+        kept = nucleus_mask(logprobs.exp(), top_p)
+        log_mass = torch.logsumexp(logprobs.masked_fill(~kept, -torch.inf), -1)           # [n]
+        out[s:s + chunk_size] = logprobs.gather(-1, labels[s:s + chunk_size, None]).squeeze(-1) - log_mass
+    return out.view(shape)
+
+
+# -----------------------------------------------------------------------------
 # logprobs and entropy from logits, without a second tokens x vocabulary tensor
 
 class _LogprobEntropy(torch.autograd.Function):

@@ -2,7 +2,8 @@
 The transformers fallback engine (HFEngine) against the trainer's own forward pass: it samples from
 softmax(logits / T) and nothing else (the model's generation_config plays no part), reports the
 logprobs the trainer recomputes, keeps no per-step logits, batches left-padded rows exactly like
-rows alone, and gives its weights back to the CPU while asleep.
+rows alone, and gives its weights back to the CPU while asleep. Both engines (HFEngine and the real
+vLLM CPU engine) stop on the same ids and report the same logprobs under a top_p nucleus.
 """
 
 import json
@@ -16,18 +17,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import AutoTokenizer
 
-from nanoagent.engine import HFEngine, SamplingConfig, stop_token_ids
+from nanoagent.engine import HFEngine, SamplingConfig, VLLMEngine, stop_token_ids
 from nanoagent.model import load_causal_lm, pad_rows, policy_forward
+from nanoagent.rl import nucleus_logprobs
 
 # logits x 7: the random tiny model's next-token distributions go from near uniform to peaked like a
 # trained model's (entropy ~2 nats at T=1, ~5 at T=1.5), so a wrong temperature or filter shows.
 SHARPEN = 7.0
+EOS_PROMPT = 1  # the seed of the prompt (random_prompts) whose greedy continuation holds model_dir's second eos id
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir, tmp_path_factory):
+def model_dir(tiny_model_dir, tok, tmp_path_factory):
     """The tiny model, sharpened, shipping a generation_config.json like Qwen2.5-Instruct's but
-    extreme: if any of it leaked into sampling, the samples would come from a handful of ids."""
+    extreme: if any of it leaked into sampling, the samples would come from a handful of ids. Like
+    Qwen2.5-Instruct's (<|im_end|> and <|endoftext|>) it lists a second eos id: one the model writes
+    in its greedy continuation of EOS_PROMPT."""
     path = tmp_path_factory.mktemp("configured_model")
     shutil.copytree(tiny_model_dir, path, dirs_exist_ok=True)
     model = load_causal_lm(tiny_model_dir)
@@ -35,12 +40,18 @@ def model_dir(tiny_model_dir, tmp_path_factory):
         model.model.norm.weight.mul_(SHARPEN)
     model.save_pretrained(path)
     vocab = model.config.vocab_size
+    other_eos = greedy_alone(model, random_prompts(1, vocab, seed=EOS_PROMPT)[0], 3, stop_token_ids(tok))[0][-1]
     (path / "generation_config.json").write_text(json.dumps({
         "do_sample": True, "temperature": 0.3, "top_k": 3, "top_p": 0.5, "repetition_penalty": 3.0,
         "suppress_tokens": list(range(8, vocab)),
-        "eos_token_id": model.config.eos_token_id, "pad_token_id": model.config.pad_token_id,
+        "eos_token_id": [model.config.eos_token_id, other_eos], "pad_token_id": model.config.pad_token_id,
     }))
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(model_dir, tok):
+    return VLLMEngine(model_dir, stop_token_ids(tok), max_model_len=128, dtype="float32", seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -153,20 +164,44 @@ def test_memory_does_not_grow_by_a_vocabulary_row_per_step(tiny_model_dir, tok):
     assert growth < 4 * vocab, f"{growth:.0f} bytes more per row and step; a vocabulary row is {4 * vocab}"
 
 
-def test_top_p_samples_lie_in_the_nucleus_and_report_unfiltered_logprobs(model_dir, trainer_model, tok):
-    T, top_p = 1.2, 0.7
-    engine = HFEngine(model_dir, stop_token_ids(tok), tok.pad_token_id, dtype="float32", seed=5)
+@pytest.mark.parametrize("kind", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
+def test_top_p_samples_lie_in_the_nucleus_and_both_engines_report_its_logprobs(kind, model_dir, trainer_model, tok, request):
+    """With top_p < 1 each engine samples from the nucleus of softmax(logits / T) (vLLM's rule, for
+    both) and reports the sampled token's logprob renormalised over it: the distribution it sampled
+    from, which is what the trainer's rl.nucleus_logprobs computes from its own logits."""
+    T, top_p = 1.2, 0.9
+    engine = (HFEngine(model_dir, stop_token_ids(tok), tok.pad_token_id, dtype="float32", seed=5) if kind == "hf"
+              else request.getfixturevalue("vllm_engine"))
     prompts = random_prompts(8, trainer_model.config.vocab_size, seed=2) * 8
-    gens = engine.generate(prompts, SamplingConfig(max_new_tokens=6, temperature=T, top_p=top_p))
-    sampled_outside_the_argmax = 0
+    gens = engine.generate(prompts, SamplingConfig(max_new_tokens=6, temperature=T, top_p=top_p), seeds=list(range(len(prompts))))
+    sampled_outside_the_argmax = renormalised = 0
     for gen, (logprobs, _, logits) in zip(gens, trainer_view(trainer_model, prompts, gens, T)):
-        torch.testing.assert_close(torch.tensor(gen.logprobs), logprobs, atol=1e-5, rtol=0)
+        ids = torch.tensor(gen.token_ids)
+        nucleus = nucleus_logprobs(logits, ids, T, top_p)                                # [n]
+        torch.testing.assert_close(torch.tensor(gen.logprobs), nucleus, atol=1e-4, rtol=0)
         probs, order = torch.softmax(logits / T, -1).sort(-1, descending=True)          # [n, V]
         nucleus_size = ((probs.cumsum(-1) - probs) < top_p).sum(-1)                     # [n]: mass before a token < top_p
-        rank = (order == torch.tensor(gen.token_ids)[:, None]).int().argmax(-1)         # [n]: where each sample sits
+        rank = (order == ids[:, None]).int().argmax(-1)                                 # [n]: where each sample sits
         assert torch.all(rank < nucleus_size), f"sampled ranks {rank.tolist()}, nucleus sizes {nucleus_size.tolist()}"
         sampled_outside_the_argmax += int((rank > 0).sum())
+        renormalised += int(((nucleus - logprobs).abs() > 1e-3).sum())
     assert sampled_outside_the_argmax > 20  # it did sample, not just take the top token
+    assert renormalised > 20  # the nucleus left out mass: renormalised and full logprobs differ
+
+
+@pytest.mark.parametrize("kind", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
+def test_both_engines_stop_on_the_stop_ids_only(kind, model_dir, trainer_model, tok, request):
+    """model_dir's generation_config.json lists a second eos id, as Qwen2.5-Instruct's lists
+    <|endoftext|> besides <|im_end|>, which the chat template never ends a turn with: neither engine
+    stops there. Both stop on stop_token_ids (EOS, </tool_call>) and nothing else."""
+    engine = (HFEngine(model_dir, stop_token_ids(tok), tok.pad_token_id, dtype="float32") if kind == "hf"
+              else request.getfixturevalue("vllm_engine"))
+    other_eos = json.loads(open(f"{model_dir}/generation_config.json").read())["eos_token_id"][1]
+    prompt = random_prompts(1, trainer_model.config.vocab_size, seed=EOS_PROMPT)[0]
+    expected, reason = greedy_alone(trainer_model, prompt, 8, stop_token_ids(tok))
+    assert other_eos in expected[:-1] and other_eos not in stop_token_ids(tok)
+    [gen] = engine.generate([prompt], SamplingConfig(max_new_tokens=8, greedy=True))
+    assert (gen.token_ids, gen.finish_reason) == (expected, reason)
 
 
 def test_batched_greedy_equals_each_row_alone_and_rows_stop_on_their_own(model_dir, trainer_model, tok):

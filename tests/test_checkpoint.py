@@ -6,10 +6,11 @@ A save replaces its folder atomically (write `.tmp`, move the old one to `.old`,
 `.old`), so whatever instant a kill lands on, a complete copy survives and the readers find it:
 random kills of a process that loads and saves over and over (tests/save_driver.py), every leftover
 a kill can leave, and a real trainer run killed while it writes a checkpoint, then resumed. A
-checkpoint counts once its marker is there; a damaged one falls back to the previous one on every
-rank together; a pickle in a checkpoint is refused, not run; keep_last prunes; a fresh start moves
-the old run aside; a resume refuses a change of what the checkpoint is made of; metrics.jsonl holds
-each step once.
+checkpoint counts once its marker is there and it and config.json read (resume=auto says once what
+it skipped, and why); a damaged one falls back to the previous one on every rank together; a
+pickle in a checkpoint is refused, not run; keep_last prunes; a fresh start moves the old run
+aside; a resume refuses a change of what the checkpoint is made of; metrics.jsonl holds each step
+once.
 """
 
 import json
@@ -326,6 +327,26 @@ def test_resume_skips_a_checkpoint_whose_marker_or_config_does_not_read(damage, 
     save_steps(run_dir, model, optimizer, [2])
     assert latest_checkpoint(str(run_dir)) == str(checkpoints / "step_000002")
     assert sorted(os.listdir(checkpoints)) == ["step_000001", "step_000002", "step_000003"]
+
+
+@pytest.mark.slow
+def test_trainer_resumes_past_an_unreadable_checkpoint_and_says_so_once(tmp_path):
+    """train.py on 2 ranks, resumed where the newest checkpoint's marker is cut short and a step
+    folder has no marker (an older nanoagent's): it goes on from the checkpoint before them (it
+    stopped with a JSONDecodeError), and rank 0 alone says what it did not use and why."""
+    run_dir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    overrides = ["rollout.engine=hf", "train.warm_start_steps=0", "train.save_every=1", "train.keep_last=0"]
+    train(run_dir, *overrides, "steps=2")
+    (checkpoints / "step_000002" / "COMPLETE").write_text('{"step": 2, "wor')
+    shutil.copytree(checkpoints / "step_000001", checkpoints / "step_000003")
+    os.remove(checkpoints / "step_000003" / "COMPLETE")
+    out, metrics = train(run_dir, *overrides, "steps=3")
+    unused = re.findall(r"resume=auto: not using (\S+): (.*)", out)
+    assert unused == [(str(checkpoints / "step_000002"), "it does not read (JSONDecodeError: Unterminated string starting at: line 1 column 13 (char 12))"),
+                      (str(checkpoints / "step_000003"), "it has no COMPLETE marker (a save that did not finish, or a checkpoint of an older nanoagent)")], out
+    assert f"resumed from {checkpoints / 'step_000001'} at step 1" in out
+    assert [m["step"] for m in metrics if "reward" in m] == [1, 2, 3]
+    assert json.load(open(checkpoints / "step_000003" / "COMPLETE"))["step"] == 3  # the old folder was replaced by a real save
 
 
 @pytest.mark.slow

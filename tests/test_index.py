@@ -2,8 +2,8 @@
 build_index.py and the on-disk retriever: the CLI contract on the synthetic corpus with the packaged
 MiniLM encoder, retrieval recall, the document store, BeIR's corpus format, resuming, IVF/HNSW,
 torchrun sharding, the refusal of an encoder the index was not built with, and the faults of a
-rerun: a changed corpus (built again), a bad row (refused by file:line before anything is written),
-a build killed before its commit (the old index and meta.json stay a pair).
+rerun: a changed corpus (built again), a bad row or a repeated id (refused by file:line before
+anything is written), a build killed before its commit (the old index and meta.json stay a pair).
 """
 
 import json

@@ -72,7 +72,8 @@ def start(cmd, **kwargs):
     its tree end with the test (conftest.py), or earlier with end."""
     global sentinel
     if sentinel is None:  # in a session of its own and untagged: neither Ctrl-C nor a sweep stops it
-        sentinel = subprocess.Popen([sys.executable, os.path.abspath(__file__), RUN], stdin=subprocess.PIPE, start_new_session=True)
+        sentinel = subprocess.Popen([sys.executable, os.path.abspath(__file__), RUN], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, start_new_session=True)  # no pipe of pytest's output held open
     env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
     env[TAG] = f"{env.get(TAG, '')} {RUN}.{next(counter)}".lstrip()
     proc = subprocess.Popen(cmd, **{**kwargs, "env": env, "start_new_session": True})

@@ -7,7 +7,6 @@ the trainer's, and engine_logprob_diff must not read as a perfect 0.
 import json
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -23,6 +22,8 @@ import torch
 import torch.distributed as dist
 from nanoagent.agent import Trajectory
 from nanoagent.metrics import step_metrics
+
+import procs
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -50,8 +51,8 @@ def test_engine_logprob_diff_only_where_a_rank_compared(tmp_path, trained, engin
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", str(script), json.dumps(trained)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+    proc = procs.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                     env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads(proc.stdout.strip().splitlines()[-1])
     assert metrics["dropped_uniform"] == 1 - sum(trained) / 2

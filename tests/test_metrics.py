@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+import procs
+
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,8 +24,6 @@ import torch
 import torch.distributed as dist
 from nanoagent.agent import Trajectory
 from nanoagent.metrics import step_metrics
-
-import procs
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

@@ -47,7 +47,7 @@ from nanoagent.data import check_prompts, fit_prompts, step_prompts
 from nanoagent.engine import SamplingConfig, make_engine, pad_token_id
 from nanoagent.imitation import imitate
 from nanoagent.metrics import evaluate, step_line, step_metrics
-from nanoagent.model import build_models, collate, critic_forward, forward_all, full_tensors, micro_steps, policy_forward
+from nanoagent.model import build_models, collate, critic_forward, forward_all, full_tensors, micro_steps, old_policy_forward, policy_forward
 from nanoagent.tasks import load_task
 from nanoagent.tiny import resolve_model
 from nanoagent.tools import ToolEnv
@@ -331,8 +331,10 @@ def main(argv=None):
         rewards, process = rewards * mask, process * mask
         t1 = time.perf_counter()
         # 3. old logprobs (recomputed by the trainer), reference logprobs and KL
-        batch["old_logprobs"] = forward_all(lambda i, a: policy_forward(policy, i, a, cfg.rollout.temperature)[0], batch, kept,
-                                            cfg.train.micro_batch_tokens, device) * mask
+        # (with the trainer's logprobs renormalised over the top_p nucleus, as the engine reports them: engine_logprob_diff)
+        old = forward_all(lambda i, a: old_policy_forward(policy, i, a, cfg.rollout.temperature, cfg.rollout.top_p), batch, kept,
+                          cfg.train.micro_batch_tokens, device, per_token=(2,)) * mask[..., None]
+        batch["old_logprobs"], batch["nucleus_logprobs"] = old.unbind(-1)
         kl = None
         if ref is not None:
             batch["ref_logprobs"] = forward_all(lambda i, a: policy_forward(ref, i, a, cfg.rollout.temperature)[0], batch, kept,

@@ -24,15 +24,16 @@ def step_metrics(step, trajs, dropped, batch, policy_updates, critic_updates, kl
     The step's metrics, reduced over ranks once: this rank's shares are summed, the values every
     rank agrees on (grad norms, skips) and the engine/trainer logprob gap are maxed. dropped:
     {reason: trajectories left out of the update}, logged as fractions of all trajectories.
-    batch: the step's rows, with old_logprobs over the trained tokens; kl: [R, L] k1 or None;
+    batch: the step's rows, with nucleus_logprobs over the trained tokens; kl: [R, L] k1 or None;
     times: perf_counter at the start of the step and after rollout, forward, update and push.
     """
     per_trajectory = {**rollout_metrics(trajs), **{k: v / len(trajs) for k, v in dropped.items()}}
     policy_shares, policy_globals = mean_over_updates(policy_updates)
     critic_shares, critic_globals = mean_over_updates(critic_updates)
     mask = batch["action_mask"]  # the trained tokens: where the trainer's logprobs were computed
-    # -inf where this rank compared no token: the max over ranks is then the gap of the ranks that did
-    engine_diff = (batch["old_logprobs"] - batch["rollout_logprobs"]).abs()[mask > 0].max().item() if mask.any() else -math.inf
+    # the engine's logprobs against the trainer's of the same distribution (renormalised over the top_p nucleus,
+    # model.old_policy_forward); -inf where this rank compared no token: the max over ranks is then the gap of the ranks that did
+    engine_diff = (batch["nucleus_logprobs"] - batch["rollout_logprobs"]).abs()[mask > 0].max().item() if mask.any() else -math.inf
     sums = {**{k: v * len(trajs) for k, v in per_trajectory.items()}, **policy_shares, **critic_shares, "trajectories": len(trajs),
             "action_tokens": float(sum(sum(t.action_mask) for t in trajs)), "trained_tokens": mask.sum().item(),
             "tokens": float(sum(batch["lengths"]))}

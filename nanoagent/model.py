@@ -39,7 +39,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from nanoagent.common import all_reduce
-from nanoagent.rl import logprobs_and_entropy
+from nanoagent.rl import logprobs_and_entropy, nucleus_logprobs
 
 
 def load_causal_lm(path, dtype=torch.float32):
@@ -268,10 +268,10 @@ def micro_steps(batch, rows, token_budget, device):
 
 
 @torch.no_grad()
-def forward_all(model_fn, batch, rows, micro_batch_tokens, device):
-    """A per-token forward function (ids, attention -> [b, l]) over the given rows of the batch;
-    [B, L] on the CPU, 0 on the other rows."""
-    out = torch.zeros(batch["input_ids"].shape)
+def forward_all(model_fn, batch, rows, micro_batch_tokens, device, per_token=()):
+    """A per-token forward function (ids, attention -> [b, l, *per_token]) over the given rows of the
+    batch; [B, L, *per_token] on the CPU, 0 on the other rows."""
+    out = torch.zeros(*batch["input_ids"].shape, *per_token)
     for idx, get in micro_steps(batch, rows, micro_batch_tokens, device):
         result = model_fn(get("input_ids"), get("attention_mask"))
         if idx:
@@ -300,6 +300,22 @@ def policy_forward(model, input_ids, attention_mask, temperature=1.0):
     logprobs, entropy = logprobs_and_entropy(logits, next_ids, temperature)                      # [B, L]
     pad = logprobs.new_zeros(logprobs.shape[0], 1)
     return torch.cat([pad, logprobs[:, :-1]], 1), torch.cat([pad, entropy[:, :-1]], 1)
+
+
+def old_policy_forward(model, input_ids, attention_mask, temperature=1.0, top_p=1.0):
+    """
+    The old-logprob pass (no grad) of a micro-batch: [B, L, 2] fp32, aligned like policy_forward.
+    [..., 0]: logprobs under softmax(logits / T), the policy trained (PPO's ratio, truncated IS).
+    [..., 1]: the same tokens' logprobs renormalised over the top_p nucleus (rl.nucleus_logprobs),
+    the distribution the engine sampled from and reports, for engine_logprob_diff to compare like
+    with like; [..., 0] again when top_p = 1. From one forward: the logits are read by both.
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, L, V]
+    next_ids = input_ids.roll(-1, dims=1)
+    logprobs, _ = logprobs_and_entropy(logits, next_ids, temperature)                          # [B, L]
+    nucleus = logprobs if top_p == 1.0 else nucleus_logprobs(logits, next_ids, temperature, top_p)
+    both = torch.stack([logprobs, nucleus], -1)                                                 # [B, L, 2]
+    return torch.cat([both.new_zeros(both.shape[0], 1, 2), both[:, :-1]], 1)
 
 
 def critic_forward(critic, input_ids, attention_mask):

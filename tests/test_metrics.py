@@ -32,7 +32,7 @@ t = Trajectory(sample={"id": str(rank)}, prompt_ids=[1, 2], messages=[], respons
                rollout_logprobs=[-1.0, -2.0], turn_spans=[(0, 2)], finish_reason="answer")
 mask = torch.tensor([[0.0, 0.0, 1.0, 1.0]]) * trained
 batch = {"action_mask": mask, "rollout_logprobs": torch.tensor([[0.0, 0.0, -1.0, -2.0]]), "lengths": [4],
-         "old_logprobs": torch.tensor([[0.0, 0.0, -1.0 - 0.1 * (rank + 1), -2.0]]) * mask}
+         "nucleus_logprobs": torch.tensor([[0.0, 0.0, -1.0 - 0.1 * (rank + 1), -2.0]]) * mask}
 metrics = step_metrics(0, [t], {"dropped_uniform": 1 - trained, "dropped_overlong": 0}, batch, [], [], None, [0.0, 1.0, 2.0, 3.0, 4.0])
 if rank == 0:
     print(json.dumps(metrics))

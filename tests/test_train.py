@@ -141,6 +141,15 @@ def test_last_k_context_trains_on_two_ranks_and_resumes(tmp_path):
         assert step3[k] == pytest.approx(steps[2][k], rel=1e-5, abs=1e-7), k
 
 
+def test_engine_logprob_diff_compares_like_with_like_under_top_p(tmp_path):
+    """With rollout.top_p < 1 the engine reports logprobs renormalised over the nucleus it sampled
+    from; engine_logprob_diff compares them with the trainer's renormalised the same way (fp32, the
+    same weights: they agree), not with the full softmax that the trainer trains and TIS divides."""
+    _, metrics = train(tmp_path / "run", "algo=grpo", "grpo.drop_uniform_groups=false", "rollout.top_p=0.9", "steps=1", nproc=1)
+    [step] = [m for m in metrics if m["step"] >= 1]
+    assert step["engine_logprob_diff"] <= 1e-4, step
+
+
 def test_nan_loss_skips_the_update_and_is_logged(tmp_path):
     # every group is kept (the tiny model often earns one reward for all, and DAPO would leave the update nothing to poison)
     out, metrics = train(tmp_path / "run", "algo=grpo", "grpo.drop_uniform_groups=false", "steps=2", nproc=1, script="tests/nan_loss.py")

@@ -20,7 +20,7 @@ from nanoagent.engine import HFEngine, SamplingConfig, VLLMEngine, stop_token_id
 from nanoagent.model import collate, load_causal_lm, policy_forward
 from nanoagent.retriever import InMemoryRetriever, load_encoder, packaged_minilm_path
 from nanoagent.reward import score_trajectory
-from nanoagent.tools import Tool, ToolEnv, calculator_tool, make_tools, search_tool
+from nanoagent.tools import TOOL_RESULT_MARKER, Tool, ToolEnv, calculator_tool, make_tools, search_tool
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -105,7 +105,8 @@ def check_token_exact(traj, env):
         in_spans[s:e] = [1] * (e - s)
     assert in_spans == traj.action_mask  # mask 1 exactly on the turns the engine generated
     assert traj.prompt_ids == tok.encode(env.render(traj.sample["messages"], add_generation_prompt=True), add_special_tokens=False)
-    # every environment segment is the canonical tokenization of its template text
+    # every environment segment is the canonical tokenization of its template text, the tool results as
+    # text: a result may quote a special token's string (an error message quoting a sampled argument)
     segments, start = [], None
     for i, m in enumerate(traj.action_mask + [1]):
         if m == 0 and start is None:
@@ -113,15 +114,31 @@ def check_token_exact(traj, env):
         elif m == 1 and start is not None:
             segments.append(traj.response_ids[start:i])
             start = None
-    for seg in segments:
+    specials = [t.content for t in tok.added_tokens_decoder.values() if t.special]
+    for seg, results in zip(segments, turn_results(traj), strict=True):
         text = tok.decode(seg, skip_special_tokens=False)
-        assert seg == tok.encode(text, add_special_tokens=False)
         assert text.startswith("<|im_end|>\n<|im_start|>user\n<tool_response>\n") or text.startswith("\n<|im_start|>user\n")
         assert text.endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        template = (text[:text.index("\n<tool_response>\n")] + "".join(f"\n<tool_response>\n{TOOL_RESULT_MARKER}\n</tool_response>" for _ in results)
+                    + "<|im_end|>\n<|im_start|>assistant\n")
+        assert seg == env.encode_rendered(template, results)
+        if not any(special in r for r in results for special in specials):
+            assert seg == tok.encode(text, add_special_tokens=False)
     # the whole row is what the chat template renders for the conversation
     decoded = tok.decode(traj.prompt_ids + traj.response_ids, skip_special_tokens=False)
     tail = "\n" if traj.response_ids[-1] == tok.eos_token_id else "<|im_end|>\n"
     assert env.render(traj.messages) == decoded + tail
+
+
+def turn_results(traj):
+    """The tool results of each turn that has some, from the conversation."""
+    turns = []
+    for m in traj.messages[len(traj.sample["messages"]):]:
+        if m["role"] == "assistant":
+            turns.append([])
+        elif m["role"] == "tool":
+            turns[-1].append(m["content"])
+    return [results for results in turns if results]
 
 
 def test_trajectories_are_token_exact(greedy_trajs, engine, env):
@@ -187,7 +204,9 @@ def test_last_k_context_is_token_exact_per_step_and_bounded(engine, env, scripte
     for traj in greedy + sampled:
         assert len(traj.step_prompts) == len(traj.turn_spans) and all(traj.action_mask)  # actions only: observations live in prompts
         for turn, prompt in enumerate(traj.step_prompts):
-            assert prompt == tok.encode(env.render(visible_turns(traj, turn, K), add_generation_prompt=True), add_special_tokens=False)
+            visible = visible_turns(traj, turn, K)
+            assert tok.decode(prompt, skip_special_tokens=False) == env.render(visible, add_generation_prompt=True)
+            assert prompt == lastk.prompt_ids(visible)  # tool results as text (test_tools), which may quote a special token
     for traj in greedy:  # the engine samples the same action again from the step's prompt
         for ids, mask, _, [(s, e)] in traj.sequences():
             assert mask == [0] * s + [1] * (e - s)

@@ -34,7 +34,8 @@ def env(tiny_model_dir):
     slow = Tool("sleep", "Sleep for a while.", {"type": "object", "properties": {"seconds": {"type": "number"}}, "required": ["seconds"]},
                 lambda a: (time.sleep(a["seconds"]), "done")[1])
     retriever = InMemoryRetriever(scripted.CORPUS, load_encoder(packaged_minilm_path(), device="cpu"))
-    return ToolEnv([calculator_tool(), slow, search_tool(retriever, top_k=1)], tok, max_obs_tokens=64, timeout_s=0.5)
+    # a limit far beyond what calculator and search need (ms), even on a busy machine; the 30 s sleep always outlasts it
+    return ToolEnv([calculator_tool(), slow, search_tool(retriever, top_k=1)], tok, max_obs_tokens=64, timeout_s=5)
 
 
 @pytest.fixture(scope="module")

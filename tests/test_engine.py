@@ -51,7 +51,14 @@ def model_dir(tiny_model_dir, tok, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vllm_engine(model_dir, tok):
-    return VLLMEngine(model_dir, stop_token_ids(tok), max_model_len=128, dtype="float32", seed=0)
+    """The real vLLM CPU engine, in process. It sets up torch.distributed (a world of one) for
+    itself; that is torn down with it, so the tests after this module start a process group of
+    their own as a training run does."""
+    engine = VLLMEngine(model_dir, stop_token_ids(tok), max_model_len=128, dtype="float32", seed=0)
+    yield engine
+    del engine
+    from vllm.distributed import cleanup_dist_env_and_memory  # here: the GPU machine collects this module without vLLM
+    cleanup_dist_env_and_memory()
 
 
 @pytest.fixture(scope="module")

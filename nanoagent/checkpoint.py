@@ -18,9 +18,9 @@ folders it found and does not use, and why (a save cut short, an older nanoagent
 without a marker, a damaged marker), rather than resume from an older step without a word. A
 complete checkpoint can still fail to load (a disk that corrupts a shard, a file truncated by
 hand): load_latest then falls back to the previous complete one and says why; every rank takes the
-same decision, because loading is collective. Only the `train.keep_last` newest complete checkpoints are kept (a 3B model with AdamW
-in fp32 is ~36 GB per model per checkpoint); older ones are deleted only once the new one is
-complete.
+same decision, because loading is collective. Only the `train.keep_last` newest complete
+checkpoints are kept (a 3B model with AdamW in fp32 is ~36 GB per model per checkpoint); older ones
+are deleted only once the new one is complete.
 
 Every save (a checkpoint `checkpoints/step_XXXXXX`, the export `hf`) replaces its folder so that a
 kill at any instant leaves one complete copy: it is written into `<folder>.tmp`, an existing

@@ -282,14 +282,43 @@ def resolve_model(name):
     return ensure_tiny_model() if name == "tiny" else name
 
 
-def pretrain(model_dir, rows, steps, batch_size=32, lr=3e-3, seed=0):
+def pretraining_loss(model, batch, pad_token_id):
+    """
+    Mean next-token loss over the learned tokens of batch, a list of (token ids, loss mask) rows.
+    Every conversation of a batch begins with the same system turn and tool list (about two thirds
+    of its tokens, none of them learned): that shared prefix is read once, as a batch of one, and
+    its keys and values are repeated for every row; logits are computed only where the next token
+    is learned. The same loss and gradient as one padded forward over the rows, from a third of the tokens.
+    """
+    shared = 0  # prefix tokens all rows share and whose logits nothing learns from (a mask of 1 at t is learned from t-1)
+    shortest = min(len(ids) for ids, _ in batch)
+    while (shared < shortest - 1 and len({ids[shared] for ids, _ in batch}) == 1
+           and not any(mask[shared + 1] for _, mask in batch)):
+        shared += 1
+    input_ids = pad_rows([ids[shared:] for ids, _ in batch], pad_token_id)                  # [B, L - shared]
+    loss_mask = pad_rows([mask[shared:] for _, mask in batch], 0)                           # [B, L - shared], 0 on padding
+    attention_mask = pad_rows([[1] * len(ids) for ids, _ in batch], 0)                      # [B, L]
+    cache = None
+    if shared:
+        cache = model.model(input_ids=torch.tensor([batch[0][0][:shared]]), use_cache=True).past_key_values
+        cache.batch_repeat_interleave(len(batch))
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache).last_hidden_state
+    learned = loss_mask[:, 1:].bool()                                                         # [B, L - shared - 1]
+    logits = model.lm_head(hidden[:, :-1][learned])                                          # [N, V]
+    return torch.nn.functional.cross_entropy(logits.float(), input_ids[:, 1:][learned])
+
+
+def pretrain(model_dir, rows, steps, batch_size=32, lr=3e-3, seed=0, warmdown=0.3):
     """
     Pretraining of the tiny model in model_dir, in place: next-token loss on the tokens of rows
-    drawn at random where their loss mask is 1, AdamW at a constant lr. rows: (token ids, loss
-    mask) pairs, as pretraining_rows makes them. A real base model comes to RL knowing how text is
-    written, how to copy a name it has just read and how a tool is called; a random tiny one learns
-    that here, in CPU minutes, from text that should hold none of the task's facts (make demo: the
-    synthetic world's passages and conversations with the facts moved). Returns the last step's loss.
+    drawn at random where their loss mask is 1, AdamW at lr, constant and then down to 0 over the
+    last `warmdown` of the steps. rows: (token ids, loss mask) pairs, as pretraining_rows makes them.
+    A real base model comes to RL knowing how text is written, how to copy a name it has just read
+    and how a tool is called; a random tiny one learns that here, in CPU minutes, from text that
+    should hold none of the task's facts (make demo: the synthetic world's passages and
+    conversations with the facts moved). Copying is learned suddenly, after a number of steps that
+    varies with the seed and the CPU's rounding (an induction head forming): give it steps to spare.
+    Returns the last step's loss.
     """
     if not rows:
         raise ValueError(f"pretraining {model_dir}: no documents to learn from")
@@ -299,11 +328,9 @@ def pretrain(model_dir, rows, steps, batch_size=32, lr=3e-3, seed=0):
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     for step in range(steps):
-        batch = [rows[rng.randrange(len(rows))] for _ in range(batch_size)]
-        input_ids = pad_rows([ids for ids, _ in batch], tokenizer.pad_token_id)             # [B, L]
-        attention_mask = pad_rows([[1] * len(ids) for ids, _ in batch], 0)                 # [B, L]
-        loss_mask = pad_rows([mask for _, mask in batch], 0)                               # [B, L], 0 on padding
-        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids.masked_fill(loss_mask == 0, -100)).loss
+        for group in optimizer.param_groups:  # constant, then linearly down to 0 over the last `warmdown` of the steps
+            group["lr"] = lr * min(1.0, (steps - step) / max(1.0, warmdown * steps))
+        loss = pretraining_loss(model, [rows[rng.randrange(len(rows))] for _ in range(batch_size)], tokenizer.pad_token_id)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

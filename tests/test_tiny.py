@@ -21,10 +21,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from nanoagent.agent import scripted_trajectories
 from nanoagent.data import write_prompts
+from nanoagent.model import pad_rows
 from nanoagent.tasks.synthetic import make_split, make_world, passages, scrambled_dialogues, scrambled_world
 from nanoagent.tiny import (IM_END, IM_START, PRETOKENIZE, QWEN_PLAIN_ADDED_TOKENS, QWEN_SPECIAL_TOKENS, QWEN_VOCAB_SIZE,
                             TEXT_VOCAB_SIZE, TOOL_TAGS, build_tiny_model, build_tokenizer, ensure_tiny_model, pretrain,
-                            pretraining_rows, task_texts)
+                            pretraining_loss, pretraining_rows, task_texts)
 from nanoagent.tools import ToolEnv, format_passages, search_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -254,6 +255,37 @@ def test_pretraining_teaches_the_tiny_model_its_text_and_saves_it(tmp_path):
         pretrain(str(tmp_path), [], steps=30)
     last = pretrain(str(tmp_path), rows, steps=30, batch_size=4)
     assert last < before - 2 and loss() < before - 2, (before, last, loss())  # learned, and saved
+
+
+def test_pretraining_reads_a_shared_prefix_once_and_learns_what_a_padded_forward_learns(tmp_path, tiny_model_dir, tiny_tok):
+    """pretraining_loss reads the system turn and tool list that every conversation of a batch begins with
+    once, and computes logits only where a token is learned: loss and gradient must be those of one padded
+    forward over the whole rows, for conversations (a long shared prefix), passages (a prefix whose
+    tokens are learned) and a batch of one."""
+    world = make_world(seed=3, people=40, companies=10, cities=12, countries=4)
+    (tmp_path / "dialogues.jsonl").write_text("".join(json.dumps(d) + "\n" for d in scrambled_dialogues(world, copies=1, per_copy=6)))
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(p) + "\n" for p in passages(world)[:6]))
+    conversations = pretraining_rows(str(tmp_path / "dialogues.jsonl"), tiny_tok)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+
+    def loss_and_grad(loss_fn, batch):
+        model.zero_grad()
+        loss = loss_fn(batch)
+        loss.backward()
+        return loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    def padded(batch):
+        input_ids = pad_rows([ids for ids, _ in batch], tiny_tok.pad_token_id)
+        labels = input_ids.masked_fill(pad_rows([mask for _, mask in batch], 0) == 0, -100)
+        return model(input_ids=input_ids, attention_mask=pad_rows([[1] * len(ids) for ids, _ in batch], 0), labels=labels).loss
+
+    shared = len(os.path.commonprefix([ids for ids, _ in conversations]))
+    assert shared > 100 and not any(any(mask[:shared + 1]) for _, mask in conversations)  # the premise: a long unlearned prefix
+    for batch in (conversations, pretraining_rows(str(tmp_path / "corpus.jsonl"), tiny_tok), conversations[:1]):
+        loss, grad = loss_and_grad(lambda b: pretraining_loss(model, b, tiny_tok.pad_token_id), batch)
+        want_loss, want_grad = loss_and_grad(padded, batch)
+        assert loss == pytest.approx(want_loss, rel=1e-5)
+        torch.testing.assert_close(grad, want_grad, rtol=1e-4, atol=1e-6)
 
 
 class TitleLookup:

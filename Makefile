@@ -39,7 +39,7 @@ demo:
 	$(PY) build_index.py --corpus=$(DEMO)/data/corpus.jsonl --out=$(DEMO)/data/index \
 		--encoder="$$($(PY) -c 'from nanoagent.retriever import packaged_minilm_path; print(packaged_minilm_path())')"
 	$(PY) -m nanoagent.tiny --out=$(DEMO)/model --text=$(DEMO)/data/corpus.jsonl --text=$(DEMO)/data/train.parquet \
-		--kv_heads=2 --pretrain $(DEMO)/data/scrambled.jsonl 1000 --pretrain $(DEMO)/data/dialogues.jsonl 800 --seed=$(SEED)
+		--kv_heads=2 --pretrain $(DEMO)/data/scrambled.jsonl 1000 --pretrain $(DEMO)/data/dialogues.jsonl 1200 --seed=$(SEED)
 	rm -rf $(DEMO)/run
 	$(PY) train.py --config=demo seed=$(SEED) model=$(DEMO)/model run_dir=$(DEMO)/run data.train_path=$(DEMO)/data/train.parquet \
 		data.val_path=$(DEMO)/data/val.parquet data.index_dir=$(DEMO)/data/index

@@ -3,9 +3,9 @@ The multi-turn rollout with the real vLLM CPU engine and a tiny model that has m
 tool-using conversations (tests/scripted.py), so every path runs through real sampling and tools.
 """
 
+import itertools
 import json
 import os
-import random
 import sys
 import time
 
@@ -336,13 +336,13 @@ def test_seeded_sampling_of_a_batch_longer_than_one_step(engine):
     assert all(len(g.token_ids) >= 1 for g in first)
 
 
-def with_latency(env, seed, most=0.2):
-    """The same tools, each call answering after a random delay in [0, most) s (drawn from seed)."""
-    rng = random.Random(seed)
+def with_latency(env, delay):
+    """The same tools, the i-th call (counted over all tools) answering after delay(i) seconds."""
+    calls = itertools.count()
 
     def slowed(tool):
         def call(arguments):
-            time.sleep(rng.uniform(0, most))
+            time.sleep(delay(next(calls)))
             return tool.call(arguments)
         return Tool(tool.name, tool.description, tool.parameters, call)
     return ToolEnv([slowed(t) for t in env.tools.values()], env.tokenizer, env.max_obs_tokens, env.timeout_s)
@@ -350,19 +350,20 @@ def with_latency(env, seed, most=0.2):
 
 def test_trajectories_do_not_depend_on_when_tools_answer(engine, env, monkeypatch):
     """Each trajectory is scheduled on its own and samples turn k with a seed of its own: the same
-    batch rolled out twice, with tools that answer after different random delays (so the engine
-    runs the turns in other orders and batches), gives the same trajectories."""
+    batch rolled out twice, with tools that answer at once and with the first call held back a
+    second (so the engine runs the turns in other orders and batches: its trajectory's next turn
+    comes after the others'), gives the same trajectories."""
     orders = []
     submit = engine.submit
     monkeypatch.setattr(engine, "submit", lambda request_id, *args: (orders[-1].append(request_id), submit(request_id, *args))[1])
     batch = [s for s in samples() if s["id"] != "Wait a long time."] * 3
     runs = []
-    for latency_seed in (1, 2):
+    for delay in (lambda i: 0.0, lambda i: 1.0 if i == 0 else 0.0):
         orders.append([])
-        runs.append(run_agent(engine, with_latency(env, latency_seed), batch, SamplingConfig(max_new_tokens=48, temperature=1.0),
+        runs.append(run_agent(engine, with_latency(env, delay), batch, SamplingConfig(max_new_tokens=48, temperature=1.0),
                               max_turns=4, max_context_tokens=MAX_CONTEXT, seed=11))
+    assert sum(len(t.turn_spans) for t in runs[0]) > len(batch) + 1  # tools were called, more than once
     assert orders[0] != orders[1] and sorted(orders[0]) == sorted(orders[1])  # other schedules, the same requests
-    assert sum(len(t.turn_spans) for t in runs[0]) > len(batch)  # tools were called
     for a, b in zip(*runs):
         assert (a.response_ids, a.action_mask, a.finish_reason) == (b.response_ids, b.action_mask, b.finish_reason)
         torch.testing.assert_close(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs), atol=1e-5, rtol=0)

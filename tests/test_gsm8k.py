@@ -51,23 +51,6 @@ def test_rows_from_the_jsonl_files(gsm8k_dir):
         assert row["messages"] == [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": record["question"]}]
 
 
-def test_hub_rows_are_the_file_rows(gsm8k_dir, monkeypatch):
-    """Without a source the rows come from openai/gsm8k (config main) through the datasets library: the
-    same records as the files (the hub is stood in for here), so the same rows and ids."""
-    import datasets  # here: importing it takes seconds, and only this test needs it
-    asked = []
-
-    def load_dataset(*args, split):
-        asked.append((*args, split))
-        return {"train": TRAIN, "test": TEST}[split]
-    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    assert load_gsm8k("train") == load_gsm8k("train", str(gsm8k_dir)) and load_gsm8k("val") == load_gsm8k("val", str(gsm8k_dir))
-    assert asked == [("openai/gsm8k", "main", "train"), ("openai/gsm8k", "main", "test")]
-    monkeypatch.setattr(datasets, "load_dataset", lambda *args, split: [{"question": "q?", "answer": "#### x"}])
-    with pytest.raises(ValueError, match="openai/gsm8k test row 0: the final answer 'x' after #### is not a number"):
-        load_gsm8k("val")
-
-
 def test_bad_sources_are_named(gsm8k_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="'.*nowhere' is not a folder"):
         load_gsm8k("train", str(tmp_path / "nowhere"))

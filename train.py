@@ -58,7 +58,7 @@ from nanoagent.tools import ToolEnv
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, epilog=reference(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None, help="preset name (tiny, demo, hotpotqa); default: the built-in defaults")
+    parser.add_argument("--config", default=None, help="preset name (tiny, demo, hotpotqa, gsm8k); default: the built-in defaults")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, dotted keys")
     args = parser.parse_args(argv)
     try:

@@ -35,7 +35,7 @@ def opt(default, help):
 
 @dataclass
 class DataConfig:
-    task: str = opt("hotpotqa", "a task in nanoagent/tasks/ (arithmetic, synthetic, hotpotqa) or a path to a task file: its prompts, tools, reward and demonstrations")
+    task: str = opt("hotpotqa", "a task in nanoagent/tasks/ (arithmetic, synthetic, hotpotqa, gsm8k) or a path to a task file: its prompts, tools, reward and demonstrations")
     train_path: str = opt("data/hotpotqa/train.parquet", "training prompts (parquet from prepare_data.py)")
     val_path: str = opt("data/hotpotqa/val.parquet", "held-out prompts for evaluation")
     index_dir: str = opt("data/hotpotqa/index", "search index from build_index.py")
@@ -186,6 +186,14 @@ PRESETS = {
         "data.index_dir=data/hotpotqa/index", "reward.metric=em", "reward.format_weight=0.1", "rollout.prompts_per_step=128", "rollout.group_size=5",
         "rollout.max_turns=4", "rollout.max_new_tokens=512", "rollout.max_context_tokens=6144",
         "train.lr=1e-6", "eval.every=20", "eval.num_prompts=500",
+    ],
+    # one GPU: GSM8K with the calculator, Agent-R1 v0's tool example (its reward asks for <think> in every turn)
+    "gsm8k": [
+        "model=Qwen/Qwen2.5-3B-Instruct", "algo=grpo", "steps=200", "run_dir=out/gsm8k",
+        "data.task=gsm8k", "data.train_path=data/gsm8k/train.parquet", "data.val_path=data/gsm8k/val.parquet",
+        "reward.require_think=true", "rollout.prompts_per_step=128", "rollout.group_size=5",
+        "rollout.max_turns=8", "rollout.max_new_tokens=512", "rollout.max_context_tokens=4096",
+        "train.lr=1e-6", "train.kl_mode=loss", "train.kl_coef=0.001", "eval.every=20", "eval.num_prompts=1319",
     ],
 }
 

@@ -4,10 +4,9 @@ calculator with the question's numbers and copies the result into its answer. A 
 cannot find the tool-call format alone, so it is first warm-started by imitating scripted
 demonstrations through the trainer's own forward, mask and loss code. The demonstrations leave
 room: on one of the two question phrasings they mostly guess without the tool (and are wrong), so
-the warm-started greedy policy answers those questions wrong. Then every estimator (GRPO, PPO,
-PPO with step-level credit, StepPO as published, GSPO's sequence ratio, RLOO, REINFORCE and
-REINFORCE++ with and without its group baseline), each from the same warm-started export, must
-raise the held-out greedy reward by >= 0.2 absolute.
+the warm-started greedy policy answers those questions wrong. Then GRPO, PPO and PPO with
+step-level credit (ppo.credit=step), each from the same warm-started export, must raise the
+held-out greedy reward by >= 0.2 absolute.
 """
 
 import json
@@ -22,13 +21,6 @@ pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARM_START = ["train.warm_start_steps=400", "train.warm_start_lr=3e-3"]
 RL = ["steps=16", "eval.every=8", "train.lr=3e-4", "ppo.critic_lr=1e-3"]
-STEPPO = ["algo=ppo", "ppo.credit=step", "ppo.ratio=step", "ppo.whiten_over=steps", "train.loss_agg=step_mean_token_mean"]
-ESTIMATORS = {
-    "grpo": ["algo=grpo"], "ppo": ["algo=ppo"], "ppo-step": ["algo=ppo", "ppo.credit=step"], "steppo": STEPPO,
-    "gspo": ["algo=grpo", "ppo.ratio=sequence", "train.loss_agg=seq_mean_token_mean"], "rloo": ["algo=rloo"],
-    "reinforce": ["algo=reinforce"], "reinforce_plus_plus": ["algo=reinforce_plus_plus"],
-    "reinforce_plus_plus_baseline": ["algo=reinforce_plus_plus_baseline"],
-}
 
 
 def train(run_dir, *overrides):
@@ -38,14 +30,15 @@ def train(run_dir, *overrides):
     return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
 
 
-def test_every_estimator_improves_on_the_warm_start(tmp_path):
+def test_ppo_and_grpo_improve_on_the_warm_start(tmp_path):
     warm = train(tmp_path / "warm", "steps=0", "eval.every=1", *WARM_START)
     start = warm[0]["eval/reward"]
     assert start <= 0.7, f"the warm start leaves too little room for RL (held-out reward {start:.2f})"
     export = str(tmp_path / "warm" / "hf")
     curves = {}
-    for name, overrides in ESTIMATORS.items():
-        metrics = train(tmp_path / name, f"model={export}", *overrides, *RL)
+    for algo, credit in (("grpo", "token"), ("ppo", "token"), ("ppo", "step")):
+        name = algo if credit == "token" else f"{algo}-{credit}"
+        metrics = train(tmp_path / name, f"model={export}", f"algo={algo}", f"ppo.credit={credit}", *RL)
         evals = [(m["step"], m["eval/reward"]) for m in metrics if "eval/reward" in m]
         steps = [m for m in metrics if "time/step" in m]
         curves[name] = {"train_reward": [round(m["reward"], 3) for m in steps], "eval_reward": evals,

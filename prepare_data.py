@@ -4,6 +4,7 @@ Write the prompt files RL trains and evaluates on: the task's prepare() (nanoage
     python prepare_data.py --task=hotpotqa --out=data/hotpotqa --train-size=20000 --val-size=500
     python prepare_data.py --task=hotpotqa --source=DIR --out=data/hotpotqa      # local HotpotQA JSON files
     python prepare_data.py --task=synthetic --out=data/synthetic                  # offline multi-hop world
+    python prepare_data.py --task=gsm8k --out=data/gsm8k                          # --source=DIR: GSM8K's JSONL files
     python prepare_data.py --task=path/to/my_task.py --out=data/mine
 
 hotpotqa: HotpotQA questions (hub through the datasets library, or the original JSON files in
@@ -13,6 +14,10 @@ build_index.py --corpus=BeIR/hotpotqa.
 
 synthetic: a deterministic world of made-up entities and relations -> OUT/train.parquet,
 OUT/val.parquet and OUT/corpus.jsonl, the passages to index.
+
+gsm8k: GSM8K's math word problems (openai/gsm8k from the hub, or train.jsonl and test.jsonl in
+--source) -> OUT/train.parquet (sampled from the train split) and OUT/val.parquet (from the test
+split, all 1319 problems by default), for a calculator-using agent.
 
 Sampling is seeded: the same options write byte-identical files.
 """
@@ -28,7 +33,7 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", required=True, help=f"a task in nanoagent/tasks/ ({', '.join(task_names())}) or a path to a task file")
     parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--source", default=None, help="where the task's raw data is, instead of the hub (hotpotqa: a folder of JSON files)")
+    parser.add_argument("--source", default=None, help="where the task's raw data is, instead of the hub (hotpotqa: a folder of JSON files; gsm8k: of JSONL files)")
     parser.add_argument("--train-size", type=int, default=0, help="sampled training prompts (0: all)")
     parser.add_argument("--val-size", type=int, default=None, help="sampled validation prompts (default: the task's)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed writes the same files")

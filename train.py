@@ -1,7 +1,8 @@
 """
 Train an LLM agent with end-to-end RL over multi-turn tool use: PPO with a critic and mask-aware
-GAE, or GRPO. One process per GPU (or CPU rank) under torchrun, FSDP2 for training, and a
-colocated rollout engine in every rank that gets the new weights after every update.
+GAE, or GRPO, RLOO, REINFORCE or REINFORCE++ without one. One process per GPU (or CPU rank) under
+torchrun, FSDP2 for training, and a colocated rollout engine in every rank that gets the new
+weights after every update.
 
     torchrun --nproc_per_node=8 train.py --config=hotpotqa algo=grpo model=Qwen/Qwen2.5-3B-Instruct
     torchrun --nproc_per_node=2 train.py --config=tiny algo=ppo steps=2 run_dir=out/tiny   # CPU
@@ -19,11 +20,13 @@ One step, top to bottom:
      groups without signal (grpo: all outcomes equal, no process reward) and, optionally,
      trajectories cut by a budget are left out of the update (DAPO);
   3. the engine sleeps; the trainer recomputes old logprobs, reference logprobs and values;
-  4. advantages: GAE over action tokens, or over turns with ppo.credit=step (ppo), or the
-     group-normalised outcome plus the process rewards still to come, unnormalised (grpo);
-  5. PPO epochs over mini-batches: clipped policy loss (+ k3 KL loss, entropy bonus, truncated
-     importance weights) and clipped value loss, each a global mean across micro-batches and
-     ranks (of tokens, or of trajectories); a non-finite loss or gradient skips the update;
+  4. advantages (algo): GAE over action tokens, or over turns with ppo.credit=step (ppo); the
+     outcome against a baseline plus the process rewards still to come, unnormalised (grpo, rloo,
+     reinforce); or REINFORCE++'s returns, whitened over the batch;
+  5. PPO epochs over mini-batches: clipped policy loss, with a ratio per token or (GSPO) per
+     sequence or step (+ k3 KL loss, entropy bonus, truncated importance weights) and clipped
+     value loss, each a global mean across micro-batches and ranks (of tokens, trajectories or
+     turns); a non-finite loss or gradient skips the update;
   6. the new weights go into the engine; one line of metrics.
 """
 
@@ -55,7 +58,7 @@ from nanoagent.tools import ToolEnv
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, epilog=reference(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None, help="preset name (tiny, demo, hotpotqa); default: the built-in defaults")
+    parser.add_argument("--config", default=None, help="preset name (tiny, demo, hotpotqa, gsm8k); default: the built-in defaults")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, dotted keys")
     args = parser.parse_args(argv)
     try:
@@ -104,7 +107,7 @@ def trained_rows(trajs, outcomes, process, owner, groups, cfg):
     """
     Which trajectories the update trains on ([B] float, 1 or 0), and how many are left out for
     each reason. DAPO's dynamic sampling (grpo.drop_uniform_groups): a group whose advantages are
-    all 0 has no signal; with rl.grpo_token_advantages that is a group whose outcomes are all
+    all 0 has no signal; for grpo and rloo (rl.outcome_token_advantages) that is a group whose outcomes are all
     equal and none of whose trajectories earned a process reward. DAPO's overlong filtering
     (train.overlong_filter): a trajectory cut by the token or context budget is not trained on (it
     still counts in its group's baseline; it is counted as dropped_overlong when its group is not
@@ -112,29 +115,20 @@ def trained_rows(trajs, outcomes, process, owner, groups, cfg):
     trajectory; groups: [B] group ids.
     """
     uniform = torch.zeros(len(trajs), dtype=torch.bool)
-    if cfg.algo == "grpo" and cfg.grpo.drop_uniform_groups:
+    if cfg.algo in ("grpo", "rloo") and cfg.grpo.drop_uniform_groups:
         earned = torch.zeros(len(trajs)).index_add_(0, owner, process.abs().sum(-1))  # [B]
         uniform = rl.uniform_groups(outcomes, groups) & rl.uniform_groups(earned, groups) & (earned == 0)  # earned: all 0
     overlong = torch.tensor([cfg.train.overlong_filter and t.finish_reason in ("truncated", "context_budget") for t in trajs])
     return (~uniform & ~overlong).float(), {"dropped_uniform": uniform.sum().item(), "dropped_overlong": (overlong & ~uniform).sum().item()}
 
 
-def global_counts(batch, rows, key="action_mask"):
-    """
-    The denominators that make every micro-batch's loss its share of one global mean, over the
-    tokens where batch[key] is 1 (the action tokens; the value loss's tokens for the critic) in a
-    mini-batch (rows: this rank's): (tokens over all ranks, trajectories with such tokens over all
-    ranks, seq_tokens [R, L]: on every token, the count of its trajectory's, for seq_mean). A
-    trajectory's rows, one or one per turn, all sit in one mini-batch on one rank.
-    """
-    owner = batch["trajectory"]
-    per_trajectory = torch.zeros(len(owner)).index_add_(0, owner[rows], batch[key][rows].sum(-1))  # [<= R]
-    tokens, trajectories = all_reduce([per_trajectory.sum().item(), (per_trajectory > 0).sum().item()])
-    return tokens, trajectories, per_trajectory[owner][:, None].expand_as(batch[key])
-
-
 # -----------------------------------------------------------------------------
 # the update
+
+def loss_units(batch, cfg):
+    """[R, L] each token's unit in train.loss_agg's mean: its step (step_mean_token_mean), else its trajectory."""
+    return batch["step"] if cfg.train.loss_agg == "step_mean_token_mean" else batch["trajectory"][batch["row"]]
+
 
 def get_lr(step, base_lr, warmup_steps):
     """The learning rate at a training step: a linear warm-up over the first warmup_steps, then constant."""
@@ -197,13 +191,14 @@ def update_policy(policy, optimizer, batch, rows, cfg, world, device):
     (shares, globals): this rank's share of each loss statistic (they add up over ranks to the
     mini-batch's value) and the values every rank already agrees on (grad norm, skipped).
     """
-    global_tokens, global_seqs, seq_tokens = global_counts(batch, rows)
+    global_tokens, global_units, unit_tokens = rl.unit_counts(batch["action_mask"], loss_units(batch, cfg), rows, all_reduce)
     shares = {"pg_loss": 0.0, "clipfrac": 0.0, "approx_kl": 0.0, "entropy": 0.0, "kl_loss": 0.0}
-    for idx, get in micro_steps({**batch, "seq_tokens": seq_tokens}, rows, cfg.train.micro_batch_tokens, device):
+    for idx, get in micro_steps({**batch, "unit_tokens": unit_tokens}, rows, cfg.train.micro_batch_tokens, device):
         mask = get("action_mask") * (1.0 if idx else 0.0)
         logprobs, entropy = policy_forward(policy, get("input_ids"), get("attention_mask"), cfg.rollout.temperature)
-        per_token, pg_stats = rl.ppo_policy_loss(logprobs, get("old_logprobs"), get("advantages"), mask,
-                                                 cfg.ppo.clip_low, cfg.ppo.clip_high, cfg.ppo.clip_dual)
+        segments = {"token": None, "step": get("step"), "sequence": get("row")}[cfg.ppo.ratio]  # GSPO: a ratio per row or per step
+        per_token, pg_stats = rl.ppo_policy_loss(logprobs, get("old_logprobs"), get("advantages"), mask, cfg.ppo.clip_low,
+                                                 cfg.ppo.clip_high, cfg.ppo.clip_dual, segments)
         if cfg.train.tis:  # the engine sampled from a slightly different distribution than the trainer computes
             per_token = per_token * rl.truncated_is_weights(get("old_logprobs"), get("rollout_logprobs"), mask, cfg.train.tis_cap)
         if cfg.train.kl_mode == "loss":
@@ -212,7 +207,7 @@ def update_policy(policy, optimizer, batch, rows, cfg, world, device):
             shares["kl_loss"] += rl.masked_sum(kl.detach(), mask).item() / global_tokens
         if cfg.train.entropy_coef:  # otherwise the entropy is only logged, and no gradient flows through it
             per_token = per_token - cfg.train.entropy_coef * entropy
-        loss = rl.aggregate_loss(per_token, mask, cfg.train.loss_agg, global_tokens, global_seqs, get("seq_tokens"))
+        loss = rl.aggregate_loss(per_token, mask, cfg.train.loss_agg, global_tokens, global_units, get("unit_tokens"))
         (loss * world).backward()  # FSDP averages rank gradients; the loss is already a global mean
         n = mask.sum().item() / global_tokens
         shares["pg_loss"] += loss.item()
@@ -227,13 +222,13 @@ def update_critic(critic, optimizer, batch, rows, cfg, world, device):
     """One optimizer step of the critic on a mini-batch: clipped value loss on the tokens where
     value_mask is 1 (the action tokens; with ppo.credit=step each step's first, where its value is
     read), a global mean (train.loss_agg). Returns (shares, globals) like update_policy."""
-    global_tokens, global_seqs, seq_tokens = global_counts(batch, rows, "value_mask")
+    global_tokens, global_units, unit_tokens = rl.unit_counts(batch["value_mask"], loss_units(batch, cfg), rows, all_reduce)
     shares = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
-    for idx, get in micro_steps({**batch, "seq_tokens": seq_tokens}, rows, cfg.train.micro_batch_tokens, device):
+    for idx, get in micro_steps({**batch, "unit_tokens": unit_tokens}, rows, cfg.train.micro_batch_tokens, device):
         mask = get("value_mask") * (1.0 if idx else 0.0)
         values = critic_forward(critic, get("input_ids"), get("attention_mask"))
         per_token, vf_stats = rl.clipped_value_loss(values, get("values"), get("returns"), mask, cfg.ppo.value_clip)
-        loss = rl.aggregate_loss(per_token, mask, cfg.train.loss_agg, global_tokens, global_seqs, get("seq_tokens"))
+        loss = rl.aggregate_loss(per_token, mask, cfg.train.loss_agg, global_tokens, global_units, get("unit_tokens"))
         (loss * world).backward()
         shares["vf_loss"] += loss.item()
         shares["vf_clipfrac"] += vf_stats["vf_clipfrac"].item() * mask.sum().item() / global_tokens
@@ -340,10 +335,12 @@ def main(argv=None):
             batch["ref_logprobs"] = forward_all(lambda i, a: policy_forward(ref, i, a, cfg.rollout.temperature)[0], batch, kept,
                                                 cfg.train.micro_batch_tokens, device) * mask
             kl = rl.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], "k1") * mask
-            if cfg.train.kl_mode == "reward":  # ppo only (config.validate): k1 on every action token
+            if cfg.train.kl_mode == "reward":  # ppo and reinforce_plus_plus(_baseline) only (config.validate): k1 on every action token
                 rewards = rewards - cfg.train.kl_coef * kl
         t2 = time.perf_counter()
-        # 4. advantages: GAE over the critic's values (ppo), per action token or per turn, or group-normalised outcomes (grpo)
+        # 4. advantages (algo): GAE over the critic's values, per action token or per turn (ppo); the outcome against a
+        # baseline (grpo: its group's mean and std; rloo: the mean of its group's others; reinforce: the batch mean), plus the
+        # process rewards still to come; REINFORCE++: discounted token returns, or the summed reward minus its group's mean
         if cfg.algo == "ppo":
             values = forward_all(lambda i, a: critic_forward(critic, i, a), batch, kept, cfg.train.micro_batch_tokens, device)
             if cfg.ppo.credit == "token":  # a value per action token
@@ -352,13 +349,22 @@ def main(argv=None):
             else:  # a value per turn: the critic's at the last token before the action, aligned at the action's first
                 advantages, batch["returns"], batch["value_mask"] = rl.step_gae(rewards, values, mask, batch["steps"], cfg.ppo.gamma, cfg.ppo.lam)
                 batch["values"] = values * batch["value_mask"]
-            if cfg.ppo.whiten_advantages:  # over the action tokens of all ranks
-                n, s, sq = all_reduce([mask.sum().item(), rl.masked_sum(advantages, mask).item(), rl.masked_sum(advantages ** 2, mask).item()])
-                mean = s / max(n, 1)
-                var = (sq - n * mean ** 2) / max(n - 1, 1)
-                advantages = (advantages - mean) / math.sqrt(var + 1e-8) * mask
-        else:  # on every action token the outcome's, plus the process rewards from its turn on (not normalised)
-            advantages = rl.grpo_token_advantages(outcomes, groups, process, mask, batch["steps"], cfg.grpo.eps, cfg.grpo.scale_by_std)
+            if cfg.ppo.whiten_advantages:  # over the action tokens, or the steps, of all ranks
+                advantages = rl.whiten(advantages, mask, batch["value_mask"] if cfg.ppo.whiten_over == "steps" else mask, all_reduce)
+        elif cfg.algo == "reinforce_plus_plus":
+            advantages = rl.whiten(rl.discounted_returns(rewards, mask, batch["steps"], cfg.ppo.gamma), mask, all_reduce=all_reduce)
+        elif cfg.algo == "reinforce_plus_plus_baseline":
+            totals = torch.zeros(len(trajs)).index_add_(0, owner, rewards.sum(-1))  # [B] every reward of the trajectory
+            advantages = rl.whiten(rl.grpo_advantages(totals, groups, scale_by_std=False)[owner][:, None] * mask, mask, all_reduce=all_reduce)
+        else:
+            if cfg.algo == "grpo":
+                baselined = rl.grpo_advantages(outcomes, groups, cfg.grpo.eps, cfg.grpo.scale_by_std)
+            elif cfg.algo == "rloo":
+                baselined = rl.rloo_advantages(outcomes, groups)
+            else:  # reinforce
+                total, count = all_reduce([outcomes.sum().item(), len(outcomes)])
+                baselined = outcomes - total / count
+            advantages = rl.outcome_token_advantages(baselined, process, mask, batch["steps"])
         batch["advantages"] = advantages
         # 5. PPO epochs over mini-batches of the kept trajectories: critic, then policy (after the critic's warm-up)
         policy_updates, critic_updates = ppo_epochs(models, optimizers, batch, kept, cfg, step, rank, world, device)

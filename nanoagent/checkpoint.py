@@ -80,7 +80,7 @@ CHANGEABLE = {
     "rollout.max_context_tokens", "rollout.max_obs_tokens", "rollout.tool_timeout_s", "rollout.search_top_k", "rollout.dtype",
     "rollout.gpu_memory_utilization", "rollout.context", "rollout.keep_turns",
     "ppo.gamma", "ppo.lam", "ppo.clip_low", "ppo.clip_high", "ppo.clip_dual", "ppo.value_clip", "ppo.epochs", "ppo.critic_lr",
-    "ppo.critic_warmup_steps", "ppo.whiten_advantages",
+    "ppo.critic_warmup_steps", "ppo.whiten_advantages", "ppo.whiten_over", "ppo.ratio",
     "grpo.scale_by_std", "grpo.eps", "grpo.drop_uniform_groups",
     "train.lr", "train.weight_decay", "train.warmup_steps", "train.grad_clip", "train.micro_batch_tokens", "train.loss_agg",
     "train.kl_mode", "train.kl_coef", "train.entropy_coef", "train.tis", "train.tis_cap", "train.overlong_filter", "train.dtype",

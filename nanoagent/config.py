@@ -35,7 +35,7 @@ def opt(default, help):
 
 @dataclass
 class DataConfig:
-    task: str = opt("hotpotqa", "a task in nanoagent/tasks/ (arithmetic, synthetic, hotpotqa) or a path to a task file: its prompts, tools, reward and demonstrations")
+    task: str = opt("hotpotqa", "a task in nanoagent/tasks/ (arithmetic, synthetic, hotpotqa, gsm8k) or a path to a task file: its prompts, tools, reward and demonstrations")
     train_path: str = opt("data/hotpotqa/train.parquet", "training prompts (parquet from prepare_data.py)")
     val_path: str = opt("data/hotpotqa/val.parquet", "held-out prompts for evaluation")
     index_dir: str = opt("data/hotpotqa/index", "search index from build_index.py")
@@ -68,7 +68,7 @@ class RolloutConfig:
 
 @dataclass
 class PPOConfig:
-    gamma: float = opt(1.0, "discount per action token")
+    gamma: float = opt(1.0, "discount per action token (GAE, and REINFORCE++'s returns)")
     lam: float = opt(1.0, "GAE lambda")
     clip_low: float = opt(0.2, "ratio clip below 1")
     clip_high: float = opt(0.2, "ratio clip above 1 (raise it for clip-higher)")
@@ -78,15 +78,17 @@ class PPOConfig:
     mini_batch_size: int = opt(64, "trajectories per optimizer step (over all ranks)")
     critic_lr: float = opt(1e-5, "critic learning rate")
     critic_warmup_steps: int = opt(0, "steps that train only the critic before the policy moves")
-    whiten_advantages: bool = opt(True, "normalise GAE advantages over the batch's action tokens")
+    whiten_advantages: bool = opt(True, "normalise GAE advantages over the whole batch (mean 0, std 1)")
+    whiten_over: Literal["tokens", "steps"] = opt("tokens", "the statistics of that whitening: over action tokens, or (ppo.credit=step) over steps, each once however long (StepPO)")
     credit: Literal["token", "step"] = opt("token", "GAE over action tokens (token), or over turns (step: Agent-R1 v0.1's step MDP, one value per turn at the token before it, the turn's tokens share its advantage)")
+    ratio: Literal["token", "sequence", "step"] = opt("token", "importance ratio of the clipped loss, every algo: per token (PPO), or per sequence (a row: a trajectory, or a turn with rollout.context=last_k) or per step (a turn), the geometric mean of its tokens' ratios clipped as a whole, without dual clip (GSPO)")
 
 
 @dataclass
 class GRPOConfig:
     scale_by_std: bool = opt(True, "divide by the group std (False: mean-centred only)")
     eps: float = opt(1e-6, "added to the group std")
-    drop_uniform_groups: bool = opt(True, "leave groups whose rewards are all equal out of the update (DAPO's dynamic sampling): they carry no signal, only dilute the loss; logged as dropped_uniform")
+    drop_uniform_groups: bool = opt(True, "algo=grpo or rloo: leave groups whose rewards are all equal out of the update (DAPO's dynamic sampling): they carry no signal, only dilute the loss; logged as dropped_uniform")
 
 
 @dataclass
@@ -96,8 +98,8 @@ class TrainConfig:
     warmup_steps: int = opt(0, "linear learning-rate warm-up over the first N training steps")
     grad_clip: float = opt(1.0, "max gradient norm")
     micro_batch_tokens: int = opt(16384, "token budget of one forward/backward micro-batch per rank")
-    loss_agg: Literal["token_mean", "seq_mean"] = opt("token_mean", "how per-token losses become one scalar")
-    kl_mode: Literal["none", "reward", "loss"] = opt("none", "KL to the reference: none, k1 in the reward (ppo), or k3 in the loss (grpo, or ppo)")
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "step_mean_token_mean"] = opt("token_mean", "how per-token losses become one scalar: a mean over all action tokens, or a mean over trajectories (seq) or turns (step) of each one's token mean")
+    kl_mode: Literal["none", "reward", "loss"] = opt("none", "KL to the reference: none, k1 in the reward (ppo, reinforce_plus_plus, reinforce_plus_plus_baseline), or k3 in the loss (any algo)")
     kl_coef: float = opt(0.001, "KL coefficient")
     entropy_coef: float = opt(0.0, "entropy bonus coefficient")
     tis: bool = opt(False, "truncated importance sampling for engine-vs-trainer logprob mismatch")
@@ -107,7 +109,7 @@ class TrainConfig:
     activation_checkpointing: bool = opt(True, "recompute activations in the backward pass")
     save_every: int = opt(50, "checkpoint every N steps (0: only at the end and on SIGTERM)")
     keep_last: int = opt(2, "complete checkpoints kept in run_dir (0: all); older ones are deleted once a new one is complete")
-    tool_call_reward: float = opt(0.0, "process reward on the last token of each turn whose tool calls all succeeded (GRPO adds it unnormalised, from its turn on)")
+    tool_call_reward: float = opt(0.0, "process reward on the last token of each turn whose tool calls all succeeded (grpo, rloo and reinforce add it unnormalised, from its turn on)")
     warm_start_steps: int = opt(0, "imitation steps on the task's scripted demonstrations before RL (0: none)")
     warm_start_lr: float = opt(1e-3, "learning rate of the imitation warm start")
 
@@ -135,7 +137,7 @@ class LogConfig:
 @dataclass
 class Config:
     model: str = opt("Qwen/Qwen2.5-3B-Instruct", "hub id or local path; 'tiny' builds the tiny test model")
-    algo: Literal["ppo", "grpo"] = opt("grpo", "ppo: critic + masked GAE; grpo: group-normalised scores")
+    algo: Literal["ppo", "grpo", "rloo", "reinforce", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = opt("grpo", "the advantage: ppo: critic + masked GAE; grpo: outcome normalised in its group; rloo: outcome minus the mean of the group's others; reinforce: outcome minus the batch mean; reinforce_plus_plus: discounted token returns, whitened over the batch; reinforce_plus_plus_baseline: reward minus its group's mean, whitened over the batch")
     steps: int = opt(200, "training steps (one rollout batch each)")
     run_dir: str = opt("out/run", "checkpoints, metrics.jsonl, config.json, the HF export")
     seed: int = opt(0, "seed of data order, sampling and initialisation")
@@ -185,7 +187,21 @@ PRESETS = {
         "rollout.max_turns=4", "rollout.max_new_tokens=512", "rollout.max_context_tokens=6144",
         "train.lr=1e-6", "eval.every=20", "eval.num_prompts=500",
     ],
+    # one GPU: GSM8K with the calculator, Agent-R1 v0's tool example (its reward asks for <think> in every turn)
+    "gsm8k": [
+        "model=Qwen/Qwen2.5-3B-Instruct", "algo=grpo", "steps=200", "run_dir=out/gsm8k",
+        "data.task=gsm8k", "data.train_path=data/gsm8k/train.parquet", "data.val_path=data/gsm8k/val.parquet",
+        "reward.require_think=true", "rollout.prompts_per_step=128", "rollout.group_size=5",
+        "rollout.max_turns=8", "rollout.max_new_tokens=512", "rollout.max_context_tokens=4096",
+        "train.lr=1e-6", "train.kl_mode=loss", "train.kl_coef=0.001", "eval.every=20", "eval.num_prompts=1319",
+    ],
 }
+
+
+# the algos whose advantage compares a trajectory's outcome with a baseline (rl.outcome_token_advantages), and those
+# whose baseline is the trajectory's group (rollout.group_size >= 2)
+OUTCOME_ALGOS = ("grpo", "rloo", "reinforce")
+GROUP_ALGOS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 
 
 class ConfigError(ValueError):
@@ -316,17 +332,18 @@ def validate(cfg):
     need(cfg.data.task in task_names() or cfg.data.task.endswith(".py"),
          f"data.task={cfg.data.task!r}: not a task; valid: {', '.join(task_names())}, or a path to a task file (.py)")
     need(cfg.resume in ("auto", "never"), f"resume={cfg.resume!r}: valid: auto, never")
-    need(cfg.algo != "grpo" or cfg.rollout.group_size >= 2,
-         f"algo=grpo needs rollout.group_size >= 2 (got {cfg.rollout.group_size}): a group of one has no baseline")
+    need(cfg.algo not in GROUP_ALGOS or cfg.rollout.group_size >= 2,
+         f"algo={cfg.algo} needs rollout.group_size >= 2 (got {cfg.rollout.group_size}): a group of one has no baseline")
     need(cfg.rollout.max_context_tokens > cfg.data.max_prompt_tokens,
          f"rollout.max_context_tokens ({cfg.rollout.max_context_tokens}) must exceed data.max_prompt_tokens ({cfg.data.max_prompt_tokens})")
-    need(not (cfg.algo == "grpo" and cfg.train.kl_mode == "reward"),
-         "algo=grpo with train.kl_mode=reward: GRPO divides each group's scores by their std, so in a group whose outcome "
-         "rewards are all equal the KL penalty's noise alone would become advantages of order 1; use train.kl_mode=loss "
-         "(k3 in the loss, as GRPO does) or none")
+    need(not (cfg.algo in OUTCOME_ALGOS and cfg.train.kl_mode == "reward"),
+         f"algo={cfg.algo} with train.kl_mode=reward: its advantage compares outcomes, and a per-token KL penalty in the reward "
+         "has no place in it (GRPO, dividing each group's scores by their std, would blow the penalty's noise up to advantages "
+         "of order 1 in a group of equal outcomes); use train.kl_mode=loss (k3 in the loss, as GRPO does) or none")
     need(cfg.algo == "ppo" or cfg.ppo.credit == "token",
-         "ppo.credit=step needs algo=ppo: it is how GAE assigns the critic's values, and GRPO has no critic "
-         "(every token of a trajectory already shares its advantage)")
+         f"ppo.credit=step needs algo=ppo: it is how GAE assigns the critic's values, and algo={cfg.algo} has no critic")
+    need(cfg.ppo.whiten_over == "tokens" or (cfg.algo == "ppo" and cfg.ppo.credit == "step" and cfg.ppo.whiten_advantages),
+         "ppo.whiten_over=steps whitens step-level GAE advantages: it needs algo=ppo, ppo.credit=step and ppo.whiten_advantages=true")
     need(not (cfg.algo == "ppo" and cfg.rollout.context == "last_k" and cfg.ppo.credit == "token"),
          "rollout.context=last_k with algo=ppo needs ppo.credit=step: each turn is then a sequence of its own, and token-level "
          "GAE cannot carry a turn's value across to the next turn's sequence; step-level GAE links the turns")

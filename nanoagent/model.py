@@ -209,7 +209,9 @@ def collate(trajs, pad_id):
     each, or one per turn with context=last_k) right-padded to [R, L]. action_mask and
     rollout_logprobs are laid over the whole row (0 on the prompt and padding), so every per-token
     tensor shares one index. "trajectory": [R] the trajectory each row belongs to; "steps": for each
-    trajectory its turns' actions in order, as (row, start, end).
+    trajectory its turns' actions in order, as (row, start, end); "step": [R, L] on the tokens of
+    each action an id of its step, unique in the batch (1, 2, ...; 0 elsewhere); "row": [R, L] the
+    row's index on each of its tokens.
     """
     sequences, owner, steps = [], [], []
     for i, t in enumerate(trajs):
@@ -218,14 +220,20 @@ def collate(trajs, pad_id):
             steps[-1] += [(len(sequences), s, e) for s, e in spans]
             sequences.append((ids, mask, logprobs))
             owner.append(i)
+    input_ids = pad_rows([ids for ids, _, _ in sequences], pad_id)
+    step = torch.zeros_like(input_ids)
+    for n, (row, start, end) in enumerate(span for trajectory in steps for span in trajectory):
+        step[row, start:end] = n + 1
     return {
-        "input_ids": pad_rows([ids for ids, _, _ in sequences], pad_id),
+        "input_ids": input_ids,
         "attention_mask": pad_rows([[1] * len(ids) for ids, _, _ in sequences], 0),
         "action_mask": pad_rows([mask for _, mask, _ in sequences], 0, torch.float32),
         "rollout_logprobs": pad_rows([logprobs for _, _, logprobs in sequences], 0.0, torch.float32),
         "lengths": [len(ids) for ids, _, _ in sequences],
         "trajectory": torch.tensor(owner),
         "steps": steps,
+        "step": step,
+        "row": torch.arange(len(input_ids))[:, None].expand_as(input_ids),
     }
 
 

@@ -10,14 +10,20 @@ Everything here respects that mask exactly:
 - step_gae runs it over steps instead (one action = one step, its value read at the state
   boundary before it), and every token of an action shares the step's advantage; a trajectory's
   steps may lie in one row or (each turn with its own context) in a row each;
-- grpo_advantages normalises scores within groups of rollouts of the same prompt;
-  grpo_token_advantages puts the normalised outcome on every action token and adds the process
-  rewards unnormalised, and uniform_groups finds the groups whose scores are all equal;
-- ppo_policy_loss / clipped_value_loss return per-token losses, zero where mask = 0;
+- grpo_advantages normalises scores within groups of rollouts of the same prompt, rloo_advantages
+  compares each with the mean of the others; outcome_token_advantages puts a trajectory's outcome
+  advantage on its action tokens and adds the process rewards unnormalised, and uniform_groups
+  finds the groups whose scores are all equal;
+- discounted_returns gives REINFORCE++ its per-token returns over a trajectory's action tokens, and
+  whiten normalises advantages with statistics of the whole batch;
+- ppo_policy_loss / clipped_value_loss return per-token losses, zero where mask = 0; with segments,
+  the policy loss takes one ratio per sequence or step (GSPO);
 - aggregate_loss turns per-token losses into this micro-batch's share of one global scalar, so the
   gradient does not depend on how a batch is split into micro-batches and ranks.
 Shapes: B = rows (trajectories, or their turns), T = tokens per row, V = vocabulary.
 """
+
+import math
 
 import torch
 
@@ -120,13 +126,9 @@ def step_gae(rewards, values, mask, steps, gamma, lam):
     return advantages, returns, value_mask
 
 
-@torch.no_grad()
-def grpo_advantages(scores, group_ids, eps=1e-6, scale_by_std=True):
-    """
-    GRPO: a trajectory's advantage is (score - group mean) / (group std + eps), std unbiased.
-    scores: [B] float; group_ids: [B] (any integer labels, or a list of hashables). Returns [B].
-    A group of one has no baseline to compare with and gets advantage 0.
-    """
+def group_means(scores, group_ids):
+    """(inverse [B]: each row's group, count [G], mean [G]) of scores [B] within groups: group_ids
+    [B] integer labels, or a list of hashables."""
     scores = scores.float()
     if not torch.is_tensor(group_ids):
         labels = {g: i for i, g in enumerate(dict.fromkeys(group_ids))}
@@ -135,8 +137,20 @@ def grpo_advantages(scores, group_ids, eps=1e-6, scale_by_std=True):
     G = int(inverse.max()) + 1
     count = torch.zeros(G, device=scores.device).index_add_(0, inverse, torch.ones_like(scores))
     mean = torch.zeros(G, device=scores.device).index_add_(0, inverse, scores) / count
-    centred = scores - mean[inverse]
-    sq = torch.zeros(G, device=scores.device).index_add_(0, inverse, centred ** 2)
+    return inverse, count, mean
+
+
+@torch.no_grad()
+def grpo_advantages(scores, group_ids, eps=1e-6, scale_by_std=True):
+    """
+    GRPO (Shao et al. 2024, DeepSeekMath): a trajectory's advantage is (score - group mean) /
+    (group std + eps), std unbiased; scale_by_std=False leaves it mean-centred (Dr. GRPO).
+    scores: [B] float; group_ids: [B] (any integer labels, or a list of hashables). Returns [B].
+    A group of one has no baseline to compare with and gets advantage 0.
+    """
+    inverse, count, mean = group_means(scores, group_ids)
+    centred = scores.float() - mean[inverse]
+    sq = torch.zeros_like(mean).index_add_(0, inverse, centred ** 2)
     std = torch.sqrt(sq / (count - 1).clamp(min=1))
     denom = std[inverse] + eps
     # denom is 0 only when eps = 0 and the group's scores are all equal, and then centred is 0 too
@@ -145,23 +159,36 @@ def grpo_advantages(scores, group_ids, eps=1e-6, scale_by_std=True):
 
 
 @torch.no_grad()
-def grpo_token_advantages(outcomes, group_ids, process_rewards, mask, steps, eps=1e-6, scale_by_std=True):
+def rloo_advantages(scores, group_ids):
     """
-    GRPO with process rewards: on the action tokens of step k of trajectory n, the group-normalised
-    outcome grpo_advantages(outcomes)[n] plus the process rewards of steps k, k+1, ... of trajectory
-    n, undiscounted and not normalised (as token-level rewards-to-go are, verl-style). Normalising
-    the outcome and the process rewards together would blow a small process reward up to a
-    full-size advantage: two trajectories of one outcome, one of them 0.1 richer in process
-    rewards, would get +-0.71. Without process rewards this is grpo_advantages on every action
-    token of the trajectory. outcomes, group_ids: [N] per trajectory; process_rewards, mask: [B, T]
-    over rows, with steps as in step_gae (a trajectory's steps in one row or a row each).
-    Returns [B, T], zero where mask = 0.
+    RLOO (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics"): each trajectory's baseline is
+    the mean of the *other* trajectories of its group, so it does not depend on its own score:
+      A_i = s_i - (sum_g - s_i) / (n_g - 1) = n_g / (n_g - 1) * (s_i - mean_g).
+    scores: [B] float; group_ids: [B]. Returns [B]. A group of one has no other trajectory and
+    gets 0 (as verl's rloo_vectorized; its loop version gives the raw score).
+    """
+    inverse, count, mean = group_means(scores, group_ids)
+    n = count[inverse]
+    return torch.where(n > 1, n / (n - 1).clamp(min=1) * (scores.float() - mean[inverse]), torch.zeros_like(n))
+
+
+@torch.no_grad()
+def outcome_token_advantages(outcome_advantages, process_rewards, mask, steps):
+    """
+    Advantages of the estimators that compare outcomes (grpo, rloo, reinforce): on the action
+    tokens of step k of trajectory n, its outcome advantage outcome_advantages[n] plus the process
+    rewards of steps k, k+1, ... of trajectory n, undiscounted and not normalised (as token-level
+    rewards-to-go are, verl-style). Normalising the outcome and the process rewards together would
+    blow a small process reward up to a full-size advantage: under GRPO two trajectories of one
+    outcome, one of them 0.1 richer in process rewards, would get +-0.71. Without process rewards
+    this is the outcome advantage on every action token of the trajectory. outcome_advantages:
+    [N] per trajectory; process_rewards, mask: [B, T] over rows, with steps as in step_gae (a
+    trajectory's steps in one row or a row each). Returns [B, T], zero where mask = 0.
     """
     mask = mask.to(process_rewards.dtype)
     if torch.any((process_rewards != 0) & (mask == 0)):
-        raise ValueError("grpo_token_advantages: a non-zero process reward sits on a mask-0 token; rewards belong on action tokens")
-    check_steps(mask, steps, "grpo_token_advantages")
-    outcome_advantages = grpo_advantages(outcomes, group_ids, eps, scale_by_std)  # [N]
+        raise ValueError("outcome_token_advantages: a non-zero process reward sits on a mask-0 token; rewards belong on action tokens")
+    check_steps(mask, steps, "outcome_token_advantages")
     advantages = torch.zeros_like(mask)
     for n, trajectory in enumerate(steps):
         to_go = 0.0  # the process rewards of this step and the ones after it
@@ -169,6 +196,48 @@ def grpo_token_advantages(outcomes, group_ids, process_rewards, mask, steps, eps
             to_go = to_go + process_rewards[row, start:end].sum()
             advantages[row, start:end] = (outcome_advantages[n] + to_go) * mask[row, start:end]
     return advantages
+
+
+@torch.no_grad()
+def discounted_returns(rewards, mask, steps, gamma):
+    """
+    REINFORCE++'s return (Hu 2025; verl's compute_reinforce_plus_plus_outcome_advantage) of every
+    action token t of a trajectory: G_t = sum over its action tokens k >= t of gamma^(k - t) r_k.
+    The tokens between turns (tool results, chat glue) are skipped, not discounted and not a
+    boundary: a trajectory's actions, in one row or a row each (steps as in step_gae), are one
+    sequence, so an outcome reward on the last turn reaches the first. (verl resets the return at
+    every mask-0 token, which in a multi-turn row would leave the earlier turns with only their KL
+    penalties.) rewards, mask: [B, T] (rewards on action tokens: the outcome, process rewards, and
+    -kl_coef * k1 with kl in the reward). Returns [B, T], zero where mask = 0.
+    """
+    check_steps(mask, steps, "discounted_returns")
+    r, m = rewards.tolist(), mask.tolist()
+    returns = [[0.0] * len(row) for row in r]
+    for trajectory in steps:
+        running = 0.0
+        for row, start, end in reversed(trajectory):
+            for t in reversed(range(start, end)):
+                if m[row][t]:
+                    running = r[row][t] + gamma * running
+                    returns[row][t] = running
+    return torch.tensor(returns, dtype=rewards.dtype, device=rewards.device)
+
+
+@torch.no_grad()
+def whiten(advantages, mask, stats_mask=None, all_reduce=None):
+    """
+    (advantages - mean) / std on the tokens where mask is 1 (0 elsewhere), mean and unbiased std
+    taken over the tokens where stats_mask (default mask) is 1: every action token, or (step-level
+    whitening: stats_mask 1 at one token per step) every step once, however long it is. all_reduce:
+    sums a list of floats over ranks (common.all_reduce), so that the statistics are the whole
+    batch's, not one rank's share of it. advantages, mask, stats_mask: [B, T].
+    """
+    stats_mask = mask if stats_mask is None else stats_mask
+    sums = [stats_mask.sum().item(), masked_sum(advantages, stats_mask).item(), masked_sum(advantages ** 2, stats_mask).item()]
+    n, s, sq = all_reduce(sums) if all_reduce else sums
+    mean = s / max(n, 1)
+    var = (sq - n * mean ** 2) / max(n - 1, 1)
+    return (advantages - mean) / math.sqrt(var + 1e-8) * mask
 
 
 def uniform_groups(scores, group_ids, tol=1e-6):
@@ -189,23 +258,40 @@ def uniform_groups(scores, group_ids, tol=1e-6):
 # -----------------------------------------------------------------------------
 # losses (per token, not reduced)
 
-def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, clip_dual=3.0):
+def segment_mean(x, mask, segments):
+    """The mean of x over the mask-1 tokens of each token's segment: [B, T] in and out. segments:
+    [B, T] non-negative integer ids (a row, or a step), unique over the tensor."""
+    ids = segments.flatten()
+    size = int(ids.max()) + 1
+    sums = x.new_zeros(size).index_add_(0, ids, (x * mask).flatten())
+    counts = x.new_zeros(size).index_add_(0, ids, mask.flatten().to(x.dtype))
+    return (sums / counts.clamp(min=1))[ids].view_as(x)
+
+
+def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, clip_dual=3.0, segments=None):
     """
     Clipped PPO surrogate per token: max(-A*r, -A*clip(r, 1-clip_low, 1+clip_high)), and for A < 0
     the dual clip min(that, -A*clip_dual) bounds the loss when r explodes. r = exp(logp - old_logp).
+    With segments ([B, T] ids, see segment_mean) the ratio is GSPO's (Zheng et al. 2025, "Group
+    Sequence Policy Optimization"; verl's compute_policy_loss_gspo): one per segment (a sequence,
+    or a step), the geometric mean of its tokens' ratios, s = exp(mean over its action tokens of
+    logp - old_logp), clipped as a whole; in its token form, r_t = sg(s) * pi(y_t) / sg(pi(y_t)),
+    whose value is s and whose gradient is s * grad logp(y_t). GSPO has no dual clip.
     All [B, T]. Returns (per_token_loss zero where mask = 0, stats of detached scalars).
     """
-    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
+    log_ratio = logprobs - old_logprobs
+    if segments is not None:
+        log_ratio = logprobs - logprobs.detach() + segment_mean(log_ratio.detach(), mask, segments)
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
-    loss_dual = torch.minimum(loss_ppo, -advantages * clip_dual)
-    per_token_loss = torch.where(advantages < 0, loss_dual, loss_ppo) * mask
+    dual = (advantages < 0) & (loss_ppo > -advantages * clip_dual) if segments is None else torch.zeros_like(mask, dtype=torch.bool)
+    per_token_loss = torch.where(dual, -advantages * clip_dual, loss_ppo) * mask
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask),
-            "dual_clipfrac": masked_mean(((advantages < 0) & (loss_ppo > -advantages * clip_dual)).float(), mask),
+            "dual_clipfrac": masked_mean(dual.float(), mask),
             "approx_kl": masked_mean(kl_penalty(old_logprobs, logprobs, "k3"), mask),  # KL(old || new)
         }
     return per_token_loss, stats
@@ -353,26 +439,43 @@ def logprobs_and_entropy(logits, labels, temperature=1.0, chunk_size=None):
 # -----------------------------------------------------------------------------
 # from per-token losses to one scalar
 
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean")
+def unit_counts(mask, units, rows, all_reduce=None):
+    """
+    The denominators that make every micro-batch's loss its share of one global mean (see
+    aggregate_loss), over the tokens where mask [B, T] is 1 in the rows `rows` (a mini-batch's on
+    this rank): (tokens, units with such tokens, unit_tokens [B, T]: on every token, its unit's
+    count of them), the first two summed over ranks by all_reduce. units: [B, T] each token's unit,
+    a non-negative id (its trajectory, or its step); a unit's tokens must all be on one rank.
+    """
+    per_unit = torch.zeros(int(units.max()) + 1).index_add_(0, units[rows].flatten(), mask[rows].flatten())
+    sums = [per_unit.sum().item(), (per_unit > 0).sum().item()]
+    tokens, count = all_reduce(sums) if all_reduce else sums
+    return tokens, count, per_unit[units]
 
 
-def aggregate_loss(per_token_loss, mask, mode, global_tokens, global_seqs, seq_tokens=None):
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "step_mean_token_mean")
+
+
+def aggregate_loss(per_token_loss, mask, mode, global_tokens, global_units, unit_tokens=None):
     """
     This micro-batch's share of the loss of the whole global batch; summing the shares over all
     micro-batches and ranks gives the global loss, so the gradient does not depend on the split.
-    per_token_loss, mask: [B, T]. global_tokens / global_seqs: the number of action tokens /
-    of sequences with at least one action token in the global (mini-)batch, over all micro-batches
-    and ranks.
-      token_mean: sum of all action-token losses / global_tokens (every token weighs the same).
-      seq_mean:   mean over tokens within each sequence, then sum / global_seqs (every sequence
-                  weighs the same, whatever its length).
-    A sequence is a trajectory, which may lie in several rows (a row per turn): seq_tokens ([B, T],
-    or [B, 1]) then gives each token the action-token count of its whole trajectory, so that its
-    rows' shares add up to the trajectory's mean; by default each row is a sequence of its own.
+    per_token_loss, mask: [B, T]. global_tokens / global_units: the number of action tokens / of
+    units (sequences, or steps) with at least one action token in the global (mini-)batch, over all
+    micro-batches and ranks.
+      token_mean:           sum of all action-token losses / global_tokens (every token weighs the same).
+      seq_mean_token_mean:  mean over tokens within each sequence (a trajectory), then sum / global_units
+                            (every trajectory weighs the same, whatever its length);
+      step_mean_token_mean: the same with a step (a turn) as the unit: every turn weighs the same
+                            (StepPO's seq-mean-token-mean, whose rows are steps).
+    The unit of a token may span several rows (a trajectory with a row per turn) or part of one (a
+    turn of a full-context row): unit_tokens ([B, T], or [B, 1]) gives each token its unit's
+    action-token count, so that the shares of a unit's tokens add up to its mean; by default each
+    row is a unit of its own. verl's names (its agg_loss) with the unit said.
     """
     if mode == "token_mean":
         return masked_sum(per_token_loss, mask) / global_tokens
-    if mode == "seq_mean":
-        seq_tokens = mask.sum(-1, keepdim=True) if seq_tokens is None else seq_tokens
-        return masked_sum(per_token_loss / seq_tokens.clamp(min=1), mask) / global_seqs
+    if mode in LOSS_AGGREGATIONS:
+        unit_tokens = mask.sum(-1, keepdim=True) if unit_tokens is None else unit_tokens
+        return masked_sum(per_token_loss / unit_tokens.clamp(min=1), mask) / global_units
     raise ValueError(f"unknown loss aggregation {mode!r}; valid: {', '.join(LOSS_AGGREGATIONS)}")

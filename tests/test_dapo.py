@@ -49,7 +49,7 @@ def test_nothing_is_dropped_when_off_or_with_ppo():
 
 
 def test_a_group_is_dropped_exactly_when_its_advantages_are_all_zero():
-    """With process rewards GRPO's advantages (rl.grpo_token_advantages) are the group-normalised
+    """With process rewards GRPO's advantages (rl.outcome_token_advantages) are the group-normalised
     outcome plus the process rewards still to come: a group of equal outcomes whose trajectories
     earned process rewards has a signal and trains, even when they earned the same (their sums of
     all rewards are then equal too); a group of equal outcomes without any is left out. The groups
@@ -59,6 +59,6 @@ def test_a_group_is_dropped_exactly_when_its_advantages_are_all_zero():
     cfg = make_config("tiny", ["algo=grpo", "train.tool_call_reward=0.1"])
     keep, dropped = train.trained_rows(trajectories(), SCORES, process, OWNER, GROUPS, cfg)
     assert keep.tolist() == [0, 0, 1, 1, 1, 1, 1, 1] and dropped == {"dropped_uniform": 2, "dropped_overlong": 0}
-    advantages = rl.grpo_token_advantages(SCORES, GROUPS, process, MASK, STEPS)  # [8, 4], a row per trajectory
+    advantages = rl.outcome_token_advantages(rl.grpo_advantages(SCORES, GROUPS), process, MASK, STEPS)  # [8, 4], a row per trajectory
     no_signal = [bool(advantages[GROUPS == g].eq(0).all()) for g in GROUPS.tolist()]
     assert no_signal == (keep == 0).tolist()

@@ -1,5 +1,6 @@
-"""The trainer's update under real torchrun with gloo and FSDP2: the gradient and the logged loss
-do not depend on the number of ranks or the micro-batch size."""
+"""The trainer's update under real torchrun with gloo and FSDP2: the gradient, the logged loss and
+the batch-wide statistics (whitening, the loss's units) do not depend on the number of ranks or
+the micro-batch size."""
 
 import os
 import socket
@@ -10,6 +11,8 @@ import torch
 
 import procs
 from dist_grad import batch, grad_of
+from dist_whiten import batch as whiten_batch
+from nanoagent import rl
 from nanoagent.model import load_causal_lm
 
 pytestmark = pytest.mark.slow
@@ -74,3 +77,24 @@ def test_a_world_of_one_serves_its_store_on_loopback_only():
     proc = procs.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**env, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["0100007F"], proc.stdout  # 127.0.0.1, and nothing else listens on the store's port
+
+
+def test_whitening_and_loss_units_are_the_whole_batchs_on_every_rank(tmp_path):
+    """REINFORCE++ (and PPO) whiten advantages with the mean and std of the whole batch, and the loss's
+    denominators count the whole mini-batch's tokens and units: on 2 ranks, each with half the rows,
+    the same numbers as one process over all of them (a rank's own statistics would give others)."""
+    out = tmp_path / "whiten"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           os.path.join(HERE, "dist_whiten.py"), str(out)]
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE), "OMP_NUM_THREADS": "1"}
+    proc = procs.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    advantages, mask, units = whiten_batch()
+    whole = rl.whiten(advantages, mask)
+    tokens, count, unit_tokens = rl.unit_counts(mask, units, list(range(len(mask))))
+    for rank in range(2):
+        got = torch.load(f"{out}.{rank}")
+        torch.testing.assert_close(got["whitened"], whole[got["rows"]], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["unit_tokens"], unit_tokens[got["rows"]])
+        assert (got["tokens"], got["units"]) == (tokens, count)
+    assert not torch.allclose(rl.whiten(advantages[0::2], mask[0::2]), whole[0::2], atol=1e-3)  # one rank's own statistics differ

@@ -219,7 +219,7 @@ def test_step_credit_trains_the_critic_where_the_step_values_are_read_only(proce
     assert shares["vf_loss"] == pytest.approx((expected.sum() / boundaries.sum()).item(), rel=1e-4)
 
 
-@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean"])
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "step_mean_token_mean"])
 def test_a_row_per_turn_trains_like_one_row_when_nothing_is_left_out(process_group, tiny_model_dir, loss_agg):
     """rollout.context=last_k with K=1 on two-turn trajectories leaves nothing out: each turn's row is
     its prefix of the one full-context row. The trainer must then see the same thing: the same
@@ -245,8 +245,8 @@ def test_a_row_per_turn_trains_like_one_row_when_nothing_is_left_out(process_gro
                                                                                       batch["steps"], 0.9, 0.8)
         batch["values"] = values * batch["value_mask"]
         outcomes = torch.tensor([(i % 3) / 2 for i in range(6)])  # update_batch's rewards
-        batch["advantages"] = rl.grpo_token_advantages(outcomes, torch.tensor([0, 0, 0, 1, 1, 1]), batch["process"], batch["action_mask"],
-                                                       batch["steps"])
+        batch["advantages"] = rl.outcome_token_advantages(rl.grpo_advantages(outcomes, torch.tensor([0, 0, 0, 1, 1, 1])), batch["process"],
+                                                          batch["action_mask"], batch["steps"])
         batch["shares"], _ = train.update_policy(policy, torch.optim.SGD(policy.parameters(), lr=1.0), batch, rows, cfg, 1, CPU)
         batch["vf_shares"], _ = train.update_critic(critic, torch.optim.SGD(critic.parameters(), lr=1.0), batch, rows, cfg, 1, CPU)
         updated[context] = {**dict(policy.named_parameters()), **{"critic." + n: p for n, p in critic.named_parameters()}}

@@ -203,7 +203,7 @@ def test_grpo_identical_scores_give_zero_and_list_labels_work():
     torch.testing.assert_close(adv, torch.tensor([-1 / (math.sqrt(2) + 1e-6), 1 / (math.sqrt(2) + 1e-6), 0.0]))
 
 
-def test_grpo_token_advantages_do_not_blow_up_a_process_reward():
+def test_outcome_token_advantages_do_not_blow_up_a_process_reward():
     """Two trajectories of one outcome, one of which earned a process reward of 0.1 on its first turn:
     the group std must not turn that 0.1 into +-0.71. On turn k's tokens the advantage is the
     group-normalised outcome plus the process rewards from turn k on, unnormalised; without process
@@ -214,14 +214,14 @@ def test_grpo_token_advantages_do_not_blow_up_a_process_reward():
     outcomes, groups = torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1])
     process = torch.zeros(4, 6)
     process[0, 2] = 0.1  # on the last token of trajectory 0's first turn
-    adv = rl.grpo_token_advantages(outcomes, groups, process, mask, steps, eps=0.0)
+    adv = rl.outcome_token_advantages(rl.grpo_advantages(outcomes, groups, eps=0.0), process, mask, steps)
     s = 0.5 / math.sqrt(0.5)  # group 1: (score - mean 0.5) / std sqrt(0.5) = 0.71
     expected = torch.tensor([[0, .1, .1, 0, 0, 0], [0, 0, 0, 0, 0, 0], [0, -s, -s, 0, -s, -s], [0, s, s, 0, s, s]])
     torch.testing.assert_close(adv, expected)
-    torch.testing.assert_close(rl.grpo_token_advantages(outcomes, groups, torch.zeros(4, 6), mask, steps),
+    torch.testing.assert_close(rl.outcome_token_advantages(rl.grpo_advantages(outcomes, groups), torch.zeros(4, 6), mask, steps),
                                rl.grpo_advantages(outcomes, groups)[:, None] * mask)
     with pytest.raises(ValueError, match="mask-0"):
-        rl.grpo_token_advantages(outcomes, groups, process.roll(1, dims=1), mask, steps)
+        rl.outcome_token_advantages(rl.grpo_advantages(outcomes, groups), process.roll(1, dims=1), mask, steps)
 
 
 def test_uniform_groups_hand_built():
@@ -411,6 +411,88 @@ def test_aggregation_modes_hand_computed():
     loss = torch.tensor([[1.0, 3.0, 9.0], [4.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     torch.testing.assert_close(rl.aggregate_loss(loss, mask, "token_mean", 3, 2), torch.tensor(8.0 / 3))
-    torch.testing.assert_close(rl.aggregate_loss(loss, mask, "seq_mean", 3, 2), torch.tensor((2.0 + 4.0) / 2))
-    with pytest.raises(ValueError, match="token_mean, seq_mean"):
+    torch.testing.assert_close(rl.aggregate_loss(loss, mask, "seq_mean_token_mean", 3, 2), torch.tensor((2.0 + 4.0) / 2))
+    with pytest.raises(ValueError, match="token_mean, seq_mean_token_mean, step_mean_token_mean"):
         rl.aggregate_loss(loss, mask, "sum", 3, 2)
+
+
+# -----------------------------------------------------------------------------
+# the estimators of Agent-R1's comparison: RLOO, REINFORCE++, GSPO's sequence ratio, StepPO's whitening and mean
+
+def test_rloo_baseline_is_the_mean_of_the_other_samples():
+    """Group a: scores 1, 0, 0: the first's baseline is (0 + 0) / 2, the others' (1 + 0) / 2. Group b
+    (all equal) and group c (one sample, no other to compare with) get 0. With its own sample in the
+    baseline (the group mean: 1/3) the first would get 2/3."""
+    adv = rl.rloo_advantages(torch.tensor([1.0, 0.0, 0.0, 2.0, 2.0, 5.0]), ["a", "a", "a", "b", "b", "c"])
+    torch.testing.assert_close(adv, torch.tensor([1.0, -0.5, -0.5, 0.0, 0.0, 0.0]))
+    adv = rl.rloo_advantages(torch.tensor([3.0, 1.0]), torch.tensor([7, 7]))  # a group of two: each against the other
+    torch.testing.assert_close(adv, torch.tensor([2.0, -2.0]))
+
+
+def test_discounted_returns_run_over_a_trajectorys_actions_across_turns_and_rows():
+    """REINFORCE++'s return: G_t = r_t + gamma * G_(next action token). Two turns with a tool result
+    between them; the outcome 1.0 on the last token, a KL penalty -0.1 on the first. gamma 0.5: the
+    last turn's tokens get 1 and 0.5, the first turn's 0.25 and -0.1 + 0.125. The tool result is
+    skipped, not a boundary (verl's reset at every mask-0 token would leave the first turn 0 and
+    -0.1). The same trajectory with a row per turn gives the same returns."""
+    #                      p  a0  a0  o  o  a1  a1
+    mask = torch.tensor([[0., 1, 1, 0, 0, 1, 1]])
+    rewards = torch.tensor([[0., -0.1, 0, 0, 0, 0, 1.0]])
+    returns = rl.discounted_returns(rewards, mask, [[(0, 1, 3), (0, 5, 7)]], 0.5)
+    torch.testing.assert_close(returns, torch.tensor([[0., -0.1 + 0.125, 0.25, 0, 0, 0.5, 1.0]]))
+    rows_mask = torch.tensor([[0., 1, 1, 0, 0, 0, 0], [0., 1, 1, 0, 0, 1, 1]])  # turn 2's row repeats turn 1 as context
+    rows_mask[1, 1:3] = 0
+    rows_rewards = torch.tensor([[0., -0.1, 0, 0, 0, 0, 0], [0., 0, 0, 0, 0, 0, 1.0]])
+    per_turn = rl.discounted_returns(rows_rewards, rows_mask, [[(0, 1, 3), (1, 5, 7)]], 0.5)
+    torch.testing.assert_close(per_turn, torch.tensor([[0., -0.1 + 0.125, 0.25, 0, 0, 0, 0], [0., 0, 0, 0, 0, 0.5, 1.0]]))
+
+
+def test_whiten_over_tokens_or_over_steps_hand_computed():
+    """Two steps of one advantage each, 3 tokens of 1.0 and 1 token of 3.0. Over tokens: mean 1.5, std
+    (unbiased) 1.0; over steps (stats at one token per step, as step_gae's value_mask marks them):
+    mean 2, std sqrt(2), so the long step does not count three times. Zero off the mask."""
+    adv = torch.tensor([[0.0, 1, 1, 1, 0, 3]])
+    mask = torch.tensor([[0.0, 1, 1, 1, 0, 1]])
+    step_starts = torch.tensor([[0.0, 1, 0, 0, 0, 1]])
+    torch.testing.assert_close(rl.whiten(adv, mask), torch.tensor([[0.0, -0.5, -0.5, -0.5, 0, 1.5]]) / math.sqrt(1 + 1e-8))
+    s = 1 / math.sqrt(2 + 1e-8)
+    torch.testing.assert_close(rl.whiten(adv, mask, step_starts), torch.tensor([[0.0, -s, -s, -s, 0, s]]))
+
+
+def test_sequence_ratio_is_the_geometric_mean_clipped_as_a_whole():
+    """GSPO: segment 1 has token ratios 2 and 0.5 (geometric mean 1, arithmetic 1.25); segment 2 one
+    token of ratio 1.5, above 1 + clip_high. With A = 1 the loss is -1 on segment 1's tokens and -1.2
+    (clipped) on segment 2's, whose gradient is then 0; on segment 1 each token's gradient is
+    -A * s = -1 (GSPO-token: r_t = sg(s) pi(y_t) / sg(pi(y_t))). A negative advantage on a ratio of 5
+    gets no dual clip (the token-level loss would stop at -A * clip_dual)."""
+    old = torch.log(torch.tensor([[0.4, 0.4, 0.2, 0.1]]))
+    new = torch.log(torch.tensor([[0.8, 0.2, 0.3, 0.1]])).requires_grad_()
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    segments = torch.tensor([[1, 1, 2, 0]])
+    loss, stats = rl.ppo_policy_loss(new, old, torch.ones(1, 4), mask, 0.2, 0.2, 3.0, segments)
+    torch.testing.assert_close(loss, torch.tensor([[-1.0, -1.0, -1.2, 0.0]]))
+    loss.sum().backward()
+    torch.testing.assert_close(new.grad, torch.tensor([[-1.0, -1.0, 0.0, 0.0]]))
+    assert stats["clipfrac"].item() == pytest.approx(1 / 3)
+    big = torch.log(torch.tensor([[5.0]]))
+    gspo, _ = rl.ppo_policy_loss(big, torch.zeros(1, 1), -torch.ones(1, 1), torch.ones(1, 1), 0.2, 0.2, 3.0, torch.zeros(1, 1, dtype=torch.long))
+    token, _ = rl.ppo_policy_loss(big, torch.zeros(1, 1), -torch.ones(1, 1), torch.ones(1, 1), 0.2, 0.2, 3.0)
+    assert gspo.item() == pytest.approx(5.0) and token.item() == pytest.approx(3.0)
+
+
+def test_step_mean_weighs_every_turn_the_same():
+    """Row 0: a trajectory of two steps, token losses 1, 3 (mean 2) and 6; row 1: one step of loss 4.
+    unit_counts gives the denominators: by step, (2 + 6 + 4) / 3 = 4; by trajectory, (10/3 + 4) / 2;
+    by token, 14 / 4."""
+    loss = torch.tensor([[0.0, 1, 3, 0, 6], [0.0, 4, 0, 0, 0]])
+    mask = torch.tensor([[0.0, 1, 1, 0, 1], [0.0, 1, 0, 0, 0]])
+    steps = torch.tensor([[0, 1, 1, 0, 2], [0, 3, 0, 0, 0]])
+    trajectories = torch.tensor([[0] * 5, [1] * 5])
+    tokens, units, unit_tokens = rl.unit_counts(mask, steps, [0, 1])
+    assert (tokens, units) == (4.0, 3)
+    torch.testing.assert_close(rl.aggregate_loss(loss, mask, "step_mean_token_mean", tokens, units, unit_tokens), torch.tensor(4.0))
+    tokens, units, unit_tokens = rl.unit_counts(mask, trajectories, [0, 1])
+    torch.testing.assert_close(rl.aggregate_loss(loss, mask, "seq_mean_token_mean", tokens, units, unit_tokens), torch.tensor((10 / 3 + 4) / 2))
+    torch.testing.assert_close(rl.aggregate_loss(loss, mask, "token_mean", tokens, units), torch.tensor(3.5))
+    # a mini-batch of row 1 alone: its units only
+    assert rl.unit_counts(mask, steps, [1])[:2] == (1.0, 1)

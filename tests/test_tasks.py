@@ -54,7 +54,7 @@ def demonstration(row, rng):
 
 
 def test_builtin_tasks_define_the_interface():
-    assert task_names() == ["arithmetic", "hotpotqa", "synthetic"]
+    assert task_names() == ["arithmetic", "gsm8k", "hotpotqa", "synthetic"]
     for name in task_names():
         task = load_task(name)
         assert isinstance(task.SYSTEM_PROMPT, str) and "{}" in task.QUESTION
@@ -63,14 +63,14 @@ def test_builtin_tasks_define_the_interface():
 
 
 def test_tasks_are_found_by_name_or_path_and_refused_clearly(tmp_path):
-    with pytest.raises(ValueError, match="unknown task 'nosuch'; tasks: arithmetic, hotpotqa, synthetic"):
+    with pytest.raises(ValueError, match="unknown task 'nosuch'; tasks: arithmetic, gsm8k, hotpotqa, synthetic"):
         load_task("nosuch")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_task(str(tmp_path / "missing.py"))
     (tmp_path / "half.py").write_text("SYSTEM_PROMPT = ''\nQUESTION = '{}'\n")
     with pytest.raises(ValueError, match="does not define tools, prompts, score, demonstration, prepare"):
         load_task(str(tmp_path / "half.py"))
-    with pytest.raises(ConfigError, match="data.task='nosuch': not a task; valid: arithmetic, hotpotqa, synthetic"):
+    with pytest.raises(ConfigError, match="data.task='nosuch': not a task; valid: arithmetic, gsm8k, hotpotqa, synthetic"):
         make_config("tiny", ["data.task=nosuch"])
 
 

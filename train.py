@@ -127,7 +127,7 @@ def trained_rows(trajs, outcomes, process, owner, groups, cfg):
 
 def loss_units(batch, cfg):
     """[R, L] each token's unit in train.loss_agg's mean: its step (step_mean_token_mean), else its trajectory."""
-    return batch["step"] if cfg.train.loss_agg == "step_mean_token_mean" else batch["trajectory"][batch["row"]]
+    return batch["step"] if cfg.train.loss_agg == "step_mean_token_mean" else batch["trajectory"][:, None].expand_as(batch["action_mask"])
 
 
 def get_lr(step, base_lr, warmup_steps):
@@ -196,7 +196,8 @@ def update_policy(policy, optimizer, batch, rows, cfg, world, device):
     for idx, get in micro_steps({**batch, "unit_tokens": unit_tokens}, rows, cfg.train.micro_batch_tokens, device):
         mask = get("action_mask") * (1.0 if idx else 0.0)
         logprobs, entropy = policy_forward(policy, get("input_ids"), get("attention_mask"), cfg.rollout.temperature)
-        segments = {"token": None, "step": get("step"), "sequence": get("row")}[cfg.ppo.ratio]  # GSPO: a ratio per row or per step
+        # GSPO: one ratio per row (ppo.ratio=sequence) or per step
+        segments = None if cfg.ppo.ratio == "token" else get("step") if cfg.ppo.ratio == "step" else torch.arange(len(mask))[:, None].expand_as(mask)
         per_token, pg_stats = rl.ppo_policy_loss(logprobs, get("old_logprobs"), get("advantages"), mask, cfg.ppo.clip_low,
                                                  cfg.ppo.clip_high, cfg.ppo.clip_dual, segments)
         if cfg.train.tis:  # the engine sampled from a slightly different distribution than the trainer computes

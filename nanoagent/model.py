@@ -210,8 +210,7 @@ def collate(trajs, pad_id):
     rollout_logprobs are laid over the whole row (0 on the prompt and padding), so every per-token
     tensor shares one index. "trajectory": [R] the trajectory each row belongs to; "steps": for each
     trajectory its turns' actions in order, as (row, start, end); "step": [R, L] on the tokens of
-    each action an id of its step, unique in the batch (1, 2, ...; 0 elsewhere); "row": [R, L] the
-    row's index on each of its tokens.
+    each action an id of its step, unique in the batch (1, 2, ...; 0 elsewhere).
     """
     sequences, owner, steps = [], [], []
     for i, t in enumerate(trajs):
@@ -233,7 +232,6 @@ def collate(trajs, pad_id):
         "trajectory": torch.tensor(owner),
         "steps": steps,
         "step": step,
-        "row": torch.arange(len(input_ids))[:, None].expand_as(input_ids),
     }
 
 

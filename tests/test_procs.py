@@ -100,7 +100,10 @@ def test_a_timeout_ends_the_whole_tree(tmp_path):
 @pytest.fixture
 def inner_pytest(tmp_path):
     """A function that starts a pytest of INNER's given tests, with the suite's conftest.py as a
-    plugin and its output in tmp_path/log; and the folder where the trees write their pids."""
+    plugin and its output in tmp_path/log; and the folder where the trees write their pids. The
+    inner pytest starts with SIGINT at its default, as from a terminal, so Python turns it into
+    KeyboardInterrupt: this suite may itself run with SIGINT ignored (CI, a script's background
+    job), and a child inherits that."""
     (tmp_path / "test_inner.py").write_text(INNER)
     trees = tmp_path / "trees"
     trees.mkdir()
@@ -108,7 +111,8 @@ def inner_pytest(tmp_path):
         def start(*tests):
             return procs.start([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
                                 *[f"test_inner.py::{t}" for t in tests]], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, "PYTHONPATH": TESTS, "TREES": str(trees)})
+                               env={**os.environ, "PYTHONPATH": TESTS, "TREES": str(trees)},
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         yield start, trees
 
 

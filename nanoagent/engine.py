@@ -77,6 +77,7 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the program's own (chat.py --question | ...)
         from vllm import LLM
         on_gpu = torch.cuda.is_available()
         distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1

@@ -9,6 +9,8 @@ import json
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from nanoagent.tiny import pretraining_loss
+
 
 def call(name, arguments, raw=None):
     body = raw if raw is not None else json.dumps({"name": name, "arguments": arguments})
@@ -70,15 +72,9 @@ def memorise(base_dir, out_dir, env, steps=300, lr=3e-3):
             end = len(env.tokenizer.encode(env.render(messages[:k + 1]), add_special_tokens=False)) - 1  # up to <|im_end|>
             mask[start:end] = [1] * (end - start)
         rows.append((ids, mask))
-    width = max(len(ids) for ids, _ in rows)
-    input_ids = torch.tensor([ids + [tok.pad_token_id] * (width - len(ids)) for ids, _ in rows])
-    loss_mask = torch.tensor([m + [0] * (width - len(m)) for _, m in rows], dtype=torch.float32)
-    attention = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in rows])
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     for _ in range(steps):
-        logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1]
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1), reduction="none")
-        loss = (nll * loss_mask[:, 1:].reshape(-1)).sum() / loss_mask[:, 1:].sum()
+        loss = pretraining_loss(model, rows, tok.pad_token_id)  # every row, each step; the shared system turn read once
         opt.zero_grad()
         loss.backward()
         opt.step()

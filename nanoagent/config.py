@@ -169,7 +169,7 @@ PRESETS = {
     # copies of the world (make demo builds it into out/demo/model), warm-started by imitation of a demonstrator that
     # mostly guesses, then GRPO on EM alone
     "demo": [
-        "model=out/demo/model", "algo=grpo", "steps=20", "run_dir=out/demo/run", "resume=never",
+        "model=out/demo/model", "algo=grpo", "steps=10", "run_dir=out/demo/run", "resume=never",
         "data.task=synthetic", "data.train_path=out/demo/data/train.parquet", "data.val_path=out/demo/data/val.parquet",
         "data.index_dir=out/demo/data/index", "data.max_prompt_tokens=512",
         "rollout.prompts_per_step=16", "rollout.group_size=4", "rollout.max_turns=4", "rollout.max_new_tokens=48",

@@ -143,6 +143,11 @@ class ToolEnv:
         if context not in ("full", "last_k") or keep_turns < 1:
             raise ValueError(f"context={context!r}, keep_turns={keep_turns}: context is full or last_k, keep_turns >= 1")
         self.tools = {t.name: t for t in tools}
+        self.validators = {}  # tool name -> the validator of its arguments; the schema is checked once, here (a bad one: SchemaError)
+        for t in tools:
+            validator = jsonschema.validators.validator_for(t.parameters)
+            validator.check_schema(t.parameters)
+            self.validators[t.name] = validator(t.parameters)
         self.tokenizer = tokenizer
         self.context = context        # what a turn sees: the whole trajectory, or (last_k) the prompt and the last keep_turns turns
         self.keep_turns = keep_turns
@@ -219,10 +224,9 @@ class ToolEnv:
             if tool is None:
                 call.result, call.error = f"Error: unknown tool {call.name!r}; available tools: {', '.join(self.tools)}.", True
                 continue
-            try:
-                jsonschema.validate(call.arguments, tool.parameters)
-            except jsonschema.ValidationError as e:
-                call.result, call.error = f"Error: bad arguments for {call.name}: {e.message}.", True
+            error = jsonschema.exceptions.best_match(self.validators[call.name].iter_errors(call.arguments))
+            if error is not None:  # what jsonschema.validate would raise, without checking the schema again (~2 ms a call)
+                call.result, call.error = f"Error: bad arguments for {call.name}: {error.message}.", True
                 continue
             by_tool.setdefault(tool.name, []).append(call)
         for name, group in by_tool.items():

@@ -12,6 +12,7 @@ import threading
 import time
 from concurrent.futures import wait
 
+import jsonschema
 import pytest
 from transformers import AutoTokenizer
 
@@ -78,6 +79,14 @@ def test_env_errors_become_observations_and_slow_tools_time_out(tiny_tok):
     assert "ZeroDivisionError" in calls[3].result
     assert "timed out after 2s" in calls[4].result
     assert "RuntimeError: disk on fire" in calls[6].result
+
+
+def test_a_tool_with_a_bad_schema_is_refused_when_the_environment_is_built(tiny_tok):
+    """The schema is checked once, when the environment is built (then each call's arguments only):
+    a tool whose schema is not a JSON schema stops the run at the start, not at its first call."""
+    bad = Tool("bad", "Bad schema.", {"type": "object", "properties": {"n": {"type": "integr"}}}, lambda a: "never")
+    with pytest.raises(jsonschema.SchemaError, match="integr"):
+        ToolEnv([calculator_tool(), bad], tiny_tok)
 
 
 def test_base_exceptions_and_a_failing_batch_fail_only_their_own_calls(tiny_tok):

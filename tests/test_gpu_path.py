@@ -54,8 +54,9 @@ def test_a_gpu_run_gives_cpu_tensors_a_backend(monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: calls.append((backend, kwargs)))
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda: 1)
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
+    # a world of one writes RANK, MASTER_PORT, ... into os.environ: into a copy here, or every later single-process
+    # train.py the suite starts would take them for torchrun's and serve its store on this one port (two at once collide)
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")})
     _, _, device = common.init_distributed()
     [(backend, kwargs)] = calls
     assert device.type == "cuda" and kwargs["device_id"] == device

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -98,8 +99,9 @@ def test_resume_gives_the_same_next_step(tmp_path):
     keys = ["reward", "pg_loss", "vf_loss", "grad_norm", "vf_grad_norm", "response_tokens", "clipfrac", "entropy"]
     # an entropy bonus and a KL penalty make every compared number non-zero even when no trajectory earns a reward
     moving = ["algo=ppo", "train.entropy_coef=0.01", "train.kl_mode=reward"]
-    _, straight = train(tmp_path / "a", *moving, "steps=3", "train.save_every=2", nproc=1)
-    _, first = train(tmp_path / "b", *moving, "steps=2", nproc=1)
+    with ThreadPoolExecutor(max_workers=2) as pool:  # one rank on one thread each: side by side on 2 cores
+        (_, straight), _ = pool.map(lambda run: train(*run, nproc=1), [(tmp_path / "a", *moving, "steps=3", "train.save_every=2"),
+                                                                         (tmp_path / "b", *moving, "steps=2")])
     out, resumed = train(tmp_path / "b", *moving, "steps=3", nproc=1)
     assert "resumed from" in out and "step_000002" in out and "warm start" not in out
     assert "resume changes steps: 2 -> 3" in out  # and config.json says so, in run_dir and in the checkpoint

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARM_START = ["train.warm_start_steps=400", "train.warm_start_lr=3e-3"]
 RL = ["steps=6", "eval.every=6", "train.lr=3e-4", "ppo.critic_lr=1e-3"]
-ESTIMATORS = {  # name: overrides (README: "Advantage estimators")
+ESTIMATORS = {  # name: overrides (README: "How the code maps to the Agent-R1 formulation")
     "grpo": ["algo=grpo"],
     "gspo": ["algo=grpo", "ppo.ratio=sequence", "train.loss_agg=seq_mean_token_mean"],
     "rloo": ["algo=rloo"],

@@ -1,7 +1,7 @@
 """
 The advantage estimators side by side on `make demo`'s world, as Agent-R1 compares GRPO, PPO,
 REINFORCE and RLOO: each from the same tiny pretrained model, the same warm start and the same RL
-budget (the demo preset: 20 steps of 16 prompts x 4 samples), one after another on this machine;
+budget (the demo preset: 10 steps of 16 prompts x 4 samples), one after another on this machine;
 prints held-out greedy EM before and after RL (overall, 1-hop, 2-hop), searches per question and
 the median seconds per step. Asserts nothing.
 

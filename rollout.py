@@ -22,6 +22,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from nanoagent.agent import rollout_metrics, run_agent
+from nanoagent.common import exit_now
 from nanoagent.config import ConfigError, make_config, reference
 from nanoagent.data import check_prompts, load_prompts
 from nanoagent.engine import SamplingConfig, make_engine
@@ -87,4 +88,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -44,7 +44,7 @@ from transformers import AutoTokenizer
 from nanoagent import rl
 from nanoagent.agent import run_agent
 from nanoagent.checkpoint import check_resume, export_hf, load_latest, resume_checkpoint, save_checkpoint, start_fresh
-from nanoagent.common import MetricsLog, all_reduce, init_distributed, print0, seed_everything
+from nanoagent.common import MetricsLog, all_reduce, exit_now, init_distributed, print0, seed_everything
 from nanoagent.config import ConfigError, format_config, make_config, reference, save_config, to_dict
 from nanoagent.data import check_prompts, fit_prompts, step_prompts
 from nanoagent.engine import SamplingConfig, make_engine, pad_token_id
@@ -397,4 +397,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -24,11 +24,15 @@ def imitate(policy, env, rows, demonstrate, cfg, rank, world, device):
     """
     rng = random.Random(f"{cfg.seed}-demos-{rank}")
     mine = rows[rank::world]
-    demos = scripted_trajectories(env, mine, [demonstrate(row, rng) for row in mine])
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.train.warm_start_lr, weight_decay=0.0)
+    scripts = [demonstrate(row, rng) for row in mine]
     per_rank = cfg.ppo.mini_batch_size // world
+    draws = [[rng.randrange(len(mine)) for _ in range(per_rank)] for _ in range(cfg.train.warm_start_steps)]  # [steps][per_rank]
+    # only the demonstrations drawn are assembled (tokenised, their tool calls run), each once
+    drawn = sorted({i for d in draws for i in d})
+    demos = dict(zip(drawn, scripted_trajectories(env, [mine[i] for i in drawn], [scripts[i] for i in drawn])))
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.train.warm_start_lr, weight_decay=0.0)
     for step in range(cfg.train.warm_start_steps):
-        batch = collate([demos[rng.randrange(len(demos))] for _ in range(per_rank)], pad_token_id(env.tokenizer))
+        batch = collate([demos[i] for i in draws[step]], pad_token_id(env.tokenizer))
         rows = list(range(len(batch["lengths"])))
         [global_tokens] = all_reduce([batch["action_mask"].sum().item()])  # over all ranks: the loss is one global token mean
         loss_sum = 0.0

@@ -102,7 +102,12 @@ def test_resume_gives_the_same_next_step(tmp_path):
     with ThreadPoolExecutor(max_workers=2) as pool:  # one rank on one thread each: side by side on 2 cores
         (_, straight), _ = pool.map(lambda run: train(*run, nproc=1), [(tmp_path / "a", *moving, "steps=3", "train.save_every=2"),
                                                                          (tmp_path / "b", *moving, "steps=2")])
-    out, resumed = train(tmp_path / "b", *moving, "steps=3", nproc=1)
+    assert sorted(os.listdir(tmp_path / "a" / "checkpoints")) == ["step_000002", "step_000003"]
+    # b resumes for its third step; beside it, a fresh start into a's used run_dir moves that run aside
+    # (none of it can be adopted or mixed in later)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        (out, resumed), (fresh_out, fresh) = pool.map(lambda run: train(*run, nproc=1), [(tmp_path / "b", *moving, "steps=3"),
+                                                                                          (tmp_path / "a", *moving, "steps=1", "resume=never")])
     assert "resumed from" in out and "step_000002" in out and "warm start" not in out
     assert "resume changes steps: 2 -> 3" in out  # and config.json says so, in run_dir and in the checkpoint
     assert json.load(open(tmp_path / "b" / "config.json"))["steps"] == 3
@@ -115,13 +120,10 @@ def test_resume_gives_the_same_next_step(tmp_path):
     assert all(expected[k] != 0 for k in ["pg_loss", "vf_loss", "grad_norm", "vf_grad_norm", "entropy"]), expected
     # fp32: the engine samples with exactly the trainer's weights
     assert all(m["engine_logprob_diff"] <= 1e-4 for m in straight + resumed if "engine_logprob_diff" in m)
-    assert sorted(os.listdir(tmp_path / "a" / "checkpoints")) == ["step_000002", "step_000003"]
 
-    # a fresh start into the used run_dir moves the old run aside: none of it can be adopted or mixed in later
-    out, fresh = train(tmp_path / "b", *moving, "steps=1", "resume=never", nproc=1)
-    [aside] = tmp_path.glob("b.old-*")
-    assert f"moved aside to {aside}" in out and "resumed from" not in out
-    assert os.listdir(tmp_path / "b" / "checkpoints") == ["step_000001"] and [m["step"] for m in fresh] == [1]
+    [aside] = tmp_path.glob("a.old-*")
+    assert f"moved aside to {aside}" in fresh_out and "resumed from" not in fresh_out
+    assert os.listdir(tmp_path / "a" / "checkpoints") == ["step_000001"] and [m["step"] for m in fresh] == [1]
     assert sorted(os.listdir(aside / "checkpoints")) == ["step_000002", "step_000003"]
 
 

@@ -10,6 +10,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
 from nanoagent import rl  # noqa: E402
+from nanoagent.common import exit_now  # noqa: E402
 
 ppo_policy_loss = rl.ppo_policy_loss
 poisoned = []
@@ -25,4 +26,4 @@ def nan_in_the_first_update(*args, **kwargs):
 
 if __name__ == "__main__":
     rl.ppo_policy_loss = nan_in_the_first_update
-    sys.exit(train.main())
+    exit_now(train.main())  # as train.py ends

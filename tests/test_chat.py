@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 import unicodedata
+from concurrent.futures import ThreadPoolExecutor
 from io import StringIO
 
 import pytest
@@ -156,19 +157,19 @@ def test_panels_escape_bidi_controls(env):
 
 @pytest.mark.slow
 def test_question_answers_once_through_a_tool_call(chat_model):
-    proc = procs.run(CHAT + ["--model", chat_model, "--system", SYSTEM, "--engine", "vllm", "--question", QUESTION,
-                             "data.task=arithmetic"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    common = ["--model", chat_model, "--system", SYSTEM, "--question", QUESTION]
+    # beside it, with a context per step, each step says what it saw (the fallback engine: no second vLLM start)
+    commands = [[*common, "--engine", "vllm", "data.task=arithmetic"],
+                [*common, "--engine", "hf", "data.task=arithmetic", "rollout.context=last_k", "rollout.keep_turns=1"]]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        proc, proc_last_k = pool.map(lambda args: procs.run(CHAT + args, capture_output=True, text=True, timeout=300, cwd=ROOT), commands)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout  # a pipe: plain text, no colour codes, nothing but the panels
     assert "\x1b[" not in out and out.lstrip().startswith("╭─ tool call")
     at = [out.index('calculator({"expression": "12*7"})'), out.index("calculator result"), out.index("answer")]
     assert at == sorted(at) and "84" in out[at[1]:at[2]] and "84" in out[at[2]:]
-    # with a context per step, each step says what it saw (the fallback engine: no second vLLM start)
-    proc = procs.run(CHAT + ["--model", chat_model, "--system", SYSTEM, "--engine", "hf", "--question", QUESTION,
-                             "data.task=arithmetic", "rollout.context=last_k", "rollout.keep_turns=1"],
-                     capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+    assert proc_last_k.returncode == 0, proc_last_k.stderr[-3000:]
+    out = proc_last_k.stdout
     assert out.index("(step 1 saw the prompt: ") < out.index("tool call") < out.index("(step 2 saw the prompt and turn 1: ") < out.index("answer")
 
 

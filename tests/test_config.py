@@ -5,6 +5,7 @@ import json
 import os
 import re
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -97,11 +98,12 @@ def test_round_trip_through_json(tmp_path):
 
 
 def test_train_cli_prints_saves_and_refuses(tmp_path):
-    out = procs.run([sys.executable, "train.py", "--help"], capture_output=True, text=True, timeout=120)
+    commands = [["--help"], ["--config=tiny", "rollout.max_turn=4"], ["--config=tiny", "rollout.tensor_parallel_size=2"]]
+    with ThreadPoolExecutor(max_workers=3) as pool:  # independent, and mostly imports: side by side
+        out, bad, tp = pool.map(lambda args: procs.run([sys.executable, "train.py", *args], capture_output=True, text=True,
+                                                       timeout=120), commands)
     assert out.returncode == 0 and "rollout.max_turns" in out.stdout and "tiny" in out.stdout
-    bad = procs.run([sys.executable, "train.py", "--config=tiny", "rollout.max_turn=4"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "rollout.max_turns" in bad.stderr
-    tp = procs.run([sys.executable, "train.py", "--config=tiny", "rollout.tensor_parallel_size=2"], capture_output=True, text=True, timeout=120)
     assert tp.returncode == 2 and "train.py takes 1 only" in tp.stderr
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -298,10 +299,16 @@ def test_rollout_cli_writes_trajectories_and_metrics(scripted_dir, index_dir, tm
     with open(data, "w") as f:
         for q, answer in [("Compute 12*7.", "84"), ("Say hi.", "hi"), ("Who founded Nanotown?", "Ada Quill")]:
             f.write(json.dumps({"id": q, "messages": scripted.user(q), "answers": [answer]}) + "\n")
-    out = tmp_path / "rollouts.jsonl"
-    proc = procs.run([sys.executable, "rollout.py", "--model", scripted_dir, "--data", str(data), "--out", str(out),
-                      "--tools", "calculator,search", "--index", index_dir, "--greedy", "--config", "tiny",
-                      "rollout.max_turns=3", "reward.format_weight=0.5"], capture_output=True, text=True, timeout=600)
+    out, out_last_k = tmp_path / "rollouts.jsonl", tmp_path / "rollouts_last_k.jsonl"
+    common = ["--model", scripted_dir, "--data", str(data), "--tools", "calculator,search", "--index", index_dir, "--greedy",
+              "--config", "tiny", "rollout.max_turns=3", "reward.format_weight=0.5"]
+    commands = [["--out", str(out), *common],
+                # a context per step: each trajectory also holds the prompt each turn was sampled from (the fallback engine)
+                ["--out", str(out_last_k), *common, "rollout.engine=hf", "rollout.context=last_k", "rollout.keep_turns=1"],
+                ["--model", scripted_dir, "--data", str(tmp_path / "missing.parquet")]]
+    with ThreadPoolExecutor(max_workers=3) as pool:  # independent runs, side by side
+        proc, proc_last_k, bad = pool.map(lambda args: procs.run([sys.executable, "rollout.py", *args], capture_output=True,
+                                                                 text=True, timeout=600), commands)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == ["Compute 12*7.", "Say hi.", "Who founded Nanotown?"]
@@ -310,18 +317,11 @@ def test_rollout_cli_writes_trajectories_and_metrics(scripted_dir, index_dir, tm
         assert r["finish_reason"] in ("answer", "truncated", "context_budget", "max_turns") and set(r["scores"]) == {"em", "substring_em", "f1", "format"}
         assert r["reward"] == r["scores"]["em"] + 0.5 * r["scores"]["format"]
     assert "em " in proc.stdout and "format " in proc.stdout and "finish/answer" in proc.stdout and "action_tokens_per_s" in proc.stdout
-    # a context per step: each trajectory also holds the prompt each turn was sampled from (the fallback engine, greedy)
-    proc = procs.run([sys.executable, "rollout.py", "--model", scripted_dir, "--data", str(data), "--out", str(out),
-                      "--tools", "calculator,search", "--index", index_dir, "--greedy", "--config", "tiny", "rollout.engine=hf",
-                      "rollout.max_turns=3", "reward.format_weight=0.5", "rollout.context=last_k", "rollout.keep_turns=1"],
-                     capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    last_k = [json.loads(line) for line in out.read_text().splitlines()]
+    assert proc_last_k.returncode == 0, proc_last_k.stderr[-3000:]
+    last_k = [json.loads(line) for line in out_last_k.read_text().splitlines()]
     assert [r["scores"] for r in last_k] == [r["scores"] for r in rows]  # two turns at most: K=1 leaves nothing out
     for r in last_k:
         assert len(r["step_prompt_ids"]) == r["turns"] and r["step_prompt_ids"][0] == r["prompt_ids"] and all(r["action_mask"])
-    bad = procs.run([sys.executable, "rollout.py", "--model", scripted_dir, "--data", str(tmp_path / "missing.parquet")],
-                    capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "does not exist" in bad.stderr
 
 

@@ -5,6 +5,7 @@ the micro-batch size."""
 import os
 import socket
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -40,9 +41,11 @@ def test_fsdp2_gradient_matches_single_process(tiny_model_dir, tmp_path):
     rows, masks, advantages = batch(model.config.vocab_size)
     loss = grad_of(model, rows, masks, advantages, list(range(len(rows))), 8, sum(sum(m) for m in masks))
     reference = {n: p.grad for n, p in model.named_parameters()}
-    # small token budgets give the ranks different numbers of micro-batches
-    for nproc, micro_tokens in [(1, 10_000), (2, 25), (2, 60)]:
-        out = torchrun_grad(tiny_model_dir, nproc, micro_tokens, tmp_path / f"g{nproc}_{micro_tokens}.pt")
+    # small token budgets give the ranks different numbers of micro-batches; the three runs go side by side
+    runs = [(1, 10_000), (2, 25), (2, 60)]
+    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
+        outs = pool.map(lambda run: torchrun_grad(tiny_model_dir, *run, tmp_path / f"g{run[0]}_{run[1]}.pt"), runs)
+    for (nproc, micro_tokens), out in zip(runs, outs):
         assert out["grads"].keys() == reference.keys()
         for name, g in out["grads"].items():
             torch.testing.assert_close(g, reference[name], atol=2e-6, rtol=1e-4, msg=f"{name} nproc={nproc} micro_tokens={micro_tokens}")

@@ -81,7 +81,9 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the program's own (chat.py --question | ...)
         from vllm import LLM
         # vLLM's start-up runs gc.collect() several times, each a full pass over every object of the
-        # modules loaded so far (~0.2 s each on a CPU); those live as long as the process: freeze them
+        # modules loaded so far (~0.2 s each on a CPU). Those live as long as the process: collect what
+        # is garbage now (an earlier engine's cycles would be kept forever), then freeze the rest.
+        gc.collect()
         gc.freeze()
         on_gpu = torch.cuda.is_available()
         distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1

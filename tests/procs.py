@@ -23,6 +23,7 @@ fires when the thread that started the child ends. So:
 import itertools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -121,3 +122,10 @@ if __name__ == "__main__":  # the sentinel of the pytest whose id is argv[1]
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.stdin.buffer.read()  # returns once pytest has exited, however it ended
     sweep(lambda tags: any(tag.startswith(sys.argv[1] + ".") for tag in tags))
+
+
+def free_port():
+    """A free TCP port on loopback, for the rendezvous of a torchrun a test starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

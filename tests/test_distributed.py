@@ -3,7 +3,6 @@ the batch-wide statistics (whitening, the loss's units) do not depend on the num
 the micro-batch size."""
 
 import os
-import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,14 +19,8 @@ pytestmark = pytest.mark.slow
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun_grad(model_dir, nproc, micro_tokens, out, keep=None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={procs.free_port()}",
            os.path.join(HERE, "dist_grad.py"), "--model", model_dir, "--micro-tokens", str(micro_tokens), "--out", str(out),
            *(["--keep", *map(str, keep)] if keep is not None else [])]
     env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE), "OMP_NUM_THREADS": "1"}
@@ -87,7 +80,7 @@ def test_whitening_and_loss_units_are_the_whole_batchs_on_every_rank(tmp_path):
     denominators count the whole mini-batch's tokens and units: on 2 ranks, each with half the rows,
     the same numbers as one process over all of them (a rank's own statistics would give others)."""
     out = tmp_path / "whiten"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={procs.free_port()}",
            os.path.join(HERE, "dist_whiten.py"), str(out)]
     env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE), "OMP_NUM_THREADS": "1"}
     proc = procs.run(cmd, capture_output=True, text=True, timeout=300, env=env)

@@ -9,7 +9,6 @@ peak memory.
 
 import json
 import os
-import socket
 import sys
 
 import pytest
@@ -23,12 +22,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +41,7 @@ def qwen_shaped_dir(tmp_path_factory):
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
 def test_one_step_fsdp2_nccl_bf16(algo, qwen_shaped_dir, tmp_path):
     nproc = torch.cuda.device_count()
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}", "train.py",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={procs.free_port()}", "train.py",
            "--config=tiny", f"model={qwen_shaped_dir}", f"algo={algo}", "steps=1", f"run_dir={tmp_path / 'run'}",
            "rollout.engine=hf", "rollout.dtype=bfloat16", "train.dtype=bfloat16", "train.activation_checkpointing=true",
            "train.warm_start_steps=2", f"rollout.prompts_per_step={8 * nproc}", f"ppo.mini_batch_size={16 * nproc}",

@@ -6,7 +6,6 @@ they are loaded, and the data order. (PPO and GRPO steps in bf16 under torchrun:
 
 import os
 import random
-import socket
 import sys
 
 import pytest
@@ -30,16 +29,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = torch.device("cpu")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def process_group():
     """A world of one (gloo) in this process: FSDP2 and the loaders need a process group."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{procs.free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 
@@ -189,7 +182,7 @@ def test_long_prompts_stop_every_rank_when_the_data_is_loaded(tiny_model_dir):
     lengths = env.prompt_lengths([r["messages"] for r in rows])
     assert min(lengths) < max(lengths)  # the two phrasings
     over = [r["id"] for r, n in zip(rows, lengths) if n > min(lengths)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", "train.py", "--config=tiny",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={procs.free_port()}", "train.py", "--config=tiny",
            f"model={tiny_model_dir}", f"data.max_prompt_tokens={min(lengths)}"]
     proc = procs.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0

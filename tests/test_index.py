@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import sys
 
 import numpy as np
@@ -189,11 +188,8 @@ def test_missing_index_is_named(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_two_ranks_build_the_same_index(world, tmp_path, encoder):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "index"
-    proc = procs.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+    proc = procs.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={procs.free_port()}",
                       os.path.join(ROOT, "build_index.py"), f"--corpus={world['corpus_path']}", f"--out={out}",
                       f"--encoder={packaged_minilm_path()}", "--shard-size=64"],
                      capture_output=True, text=True, cwd=ROOT, timeout=600,

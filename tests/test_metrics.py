@@ -6,7 +6,6 @@ the trainer's, and engine_logprob_diff must not read as a perfect 0.
 
 import json
 import os
-import socket
 import sys
 
 import pytest
@@ -41,19 +40,13 @@ dist.destroy_process_group()
 """
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 CASES = [([1, 1], 0.2), ([1, 0], 0.1), ([0, 1], 0.2), ([0, 0], None)]  # (which ranks train, engine_logprob_diff)
 
 
 def test_engine_logprob_diff_only_where_a_rank_compared(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", str(script),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={procs.free_port()}", str(script),
            json.dumps([trained for trained, _ in CASES])]
     proc = procs.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                      env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})

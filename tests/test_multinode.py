@@ -24,7 +24,7 @@ import time
 import pytest
 
 import procs
-from test_train import QUICK, ROOT, free_port
+from test_train import QUICK, ROOT
 
 pytestmark = pytest.mark.slow
 ALTERNATING = os.path.join(ROOT, "tests", "alternating_task.py")  # every group's rewards vary: each step updates the policy
@@ -35,7 +35,7 @@ def two_nodes(tmp_path, name, *overrides, own_run_dir=False, timeout=900):
     their exit codes and outputs. One agent that fails ends the other (which would wait at the
     rendezvous). own_run_dir: each node runs in a folder of its own with run_dir=run, as the same
     path on each node's own disk would be."""
-    endpoint = f"127.0.0.1:{free_port()}"
+    endpoint = f"127.0.0.1:{procs.free_port()}"
     agents, logs = [], [tmp_path / f"{name}.node{node}.log" for node in range(2)]
     try:
         for node, log in enumerate(logs):

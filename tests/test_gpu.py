@@ -45,7 +45,8 @@ def test_one_step_fsdp2_nccl_bf16(algo, qwen_shaped_dir, tmp_path):
            "--config=tiny", f"model={qwen_shaped_dir}", f"algo={algo}", "steps=1", f"run_dir={tmp_path / 'run'}",
            "rollout.engine=hf", "rollout.dtype=bfloat16", "train.dtype=bfloat16", "train.activation_checkpointing=true",
            "train.warm_start_steps=2", f"rollout.prompts_per_step={8 * nproc}", f"ppo.mini_batch_size={16 * nproc}",
-           "train.kl_mode=loss" if algo == "grpo" else "train.kl_mode=reward"]
+           # random weights earn one reward for all: without this DAPO would leave every group out and nothing would update
+           *(["train.kl_mode=loss", "grpo.drop_uniform_groups=false"] if algo == "grpo" else ["train.kl_mode=reward"])]
     proc = procs.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     [step] = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if '"time/step"' in line]

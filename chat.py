@@ -24,7 +24,7 @@ import signal
 import sys
 
 from nanoagent.config import ConfigError, apply_overrides, from_dict, make_config, reference
-from nanoagent.tasks import load_task
+from nanoagent.tasks import load_task, task_env
 
 THINK_TAG_RE = re.compile(r"</?think>")
 CALL_BLOCK_RE = re.compile(r"<tool_call>.*?(?:</tool_call>|\Z)", re.DOTALL)  # closed, or cut off by the token budget
@@ -35,6 +35,7 @@ STOPPED = {  # why an answer ended without one, and the setting behind it
     "truncated": "the turn ran out of new tokens (rollout.max_new_tokens)",
     "context_budget": "the conversation reached the context budget (rollout.max_context_tokens)",
     "max_turns": "the agent used all its turns (rollout.max_turns)",
+    "env_error": "the environment failed",
 }
 
 
@@ -98,7 +99,10 @@ def show(console, traj, keep_turns=None):
     from rich.text import Text
 
     from nanoagent.reward import ANSWER_RE, extract_answer
-    turns = [m["content"] for m in traj.messages[len(traj.sample["messages"]):] if m["role"] == "assistant"]
+    after = traj.messages[len(traj.sample["messages"]):]
+    starts = [i for i, m in enumerate(after) if m["role"] == "assistant"]
+    turns = [after[i]["content"] for i in starts]
+    read = [[m["content"] for m in after[i + 1:j]] for i, j in zip(starts, starts[1:] + [len(after)])]  # what the model read after each turn
     for turn, content in enumerate(turns):
         if keep_turns is not None and turn < len(traj.step_prompts):
             seen = list(range(max(0, turn - keep_turns) + 1, turn + 1))  # the earlier turns it saw, 1-based
@@ -114,22 +118,21 @@ def show(console, traj, keep_turns=None):
             console.print(Panel(Text(printable(prose)), title="reasoning", title_align="left", border_style="dim"))
         elif prose:  # no call and no <answer> tag: the whole reply is what the agent said
             console.print(Panel(Text(printable(prose)), title="reply", title_align="left", border_style="magenta"))
-        out_of_turns = traj.finish_reason == "max_turns" and turn == len(turns) - 1  # its calls never ran
         for i, call in enumerate(calls):
             if call.name is not None:
                 said = f"{call.name}({json.dumps(call.arguments, ensure_ascii=False)})"
             else:  # unparsable: what the model wrote (parse_tool_calls makes one call per block, in order)
                 said = blocks[i] if i < len(blocks) else "(malformed tool call)"
             console.print(Panel(Text(printable(said)), title="tool call", title_align="left", border_style="yellow"))
-            if out_of_turns:
+            if i >= len(read[turn]):  # the last turn's calls: the model never read their results
                 continue
             title = f"{call.name or 'tool'} error" if call.error else f"{call.name} result"  # the name is the model's
-            console.print(Panel(Text(printable(call.result)), title=Text(printable(title)), title_align="left",
+            console.print(Panel(Text(printable(read[turn][i])), title=Text(printable(title)), title_align="left",
                                 border_style="red" if call.error else "blue"))
         if answer is not None:
             console.print(Panel(Text(printable(answer), style="bold"), title="answer", title_align="left", border_style="green"))
     if traj.finish_reason in STOPPED:
-        console.print(Text(f"(stopped: {STOPPED[traj.finish_reason]})", style="dim"))
+        console.print(Text(f"(stopped: {STOPPED[traj.finish_reason]}" + (f": {printable(traj.error)})" if traj.error else ")"), style="dim"))
 
 
 def main(argv=None):
@@ -165,7 +168,7 @@ def main(argv=None):
 
     from nanoagent.engine import SamplingConfig, make_engine
     from nanoagent.tiny import resolve_model
-    from nanoagent.tools import ToolEnv, make_tools
+    from nanoagent.tools import make_tools
 
     model_path = resolve_model(args.model)
     try:
@@ -176,9 +179,9 @@ def main(argv=None):
     if not tokenizer.chat_template:
         fail(f"--model {args.model!r} has no chat template; nanoagent renders conversations and tool results with it")
     try:
-        tools = task.tools(cfg) if args.tools is None else make_tools([t.strip() for t in args.tools.split(",") if t.strip()],
-                                                                        cfg.data.index_dir, top_k=cfg.rollout.search_top_k)
-        env = ToolEnv(tools, tokenizer, cfg.rollout.max_obs_tokens, cfg.rollout.tool_timeout_s, cfg.rollout.context, cfg.rollout.keep_turns)
+        tools = None if args.tools is None else make_tools([t.strip() for t in args.tools.split(",") if t.strip()],
+                                                            cfg.data.index_dir, top_k=cfg.rollout.search_top_k)
+        env = task_env(task, cfg, tokenizer, tools)
     except (OSError, ValueError) as e:  # no index there, an unknown tool, an index that will not load
         fail(str(e))
     max_context = min(cfg.rollout.max_context_tokens, max_positions or cfg.rollout.max_context_tokens)
@@ -214,7 +217,7 @@ def main(argv=None):
     # Ctrl-C leaves, even when whatever started chat.py ignores SIGINT (a shell's background job, CI):
     # Python then keeps it ignored and never raises KeyboardInterrupt
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    console.print(Text.assemble(("nanoagent chat", "bold"), f" with {args.model}\ntools: {', '.join(env.tools) or 'none'}, "
+    console.print(Text.assemble(("nanoagent chat", "bold"), f" with {args.model}\ntools: {', '.join(s['function']['name'] for s in env.schemas) or 'none'}, "
                                 f"config: {config_source}; Ctrl-D or Ctrl-C leaves"), style="dim")
     while True:
         question = console.input("[bold cyan]you>[/bold cyan] ").strip()

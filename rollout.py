@@ -26,9 +26,9 @@ from nanoagent.common import exit_now
 from nanoagent.config import ConfigError, make_config, reference
 from nanoagent.data import check_prompts, load_prompts
 from nanoagent.engine import SamplingConfig, make_engine
-from nanoagent.tasks import load_task
+from nanoagent.tasks import load_task, task_env
 from nanoagent.tiny import resolve_model
-from nanoagent.tools import ToolEnv, make_tools
+from nanoagent.tools import make_tools
 
 
 def parse_args(argv):
@@ -63,9 +63,9 @@ def main(argv=None):
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.chat_template is None:
         sys.exit(f"rollout.py: {model_path} has no chat template; nanoagent renders prompts and tool results with it")
-    tools = task.tools(cfg) if args.tools is None else make_tools([t for t in args.tools.split(",") if t], cfg.data.index_dir,
-                                                                    top_k=cfg.rollout.search_top_k)
-    env = ToolEnv(tools, tokenizer, cfg.rollout.max_obs_tokens, cfg.rollout.tool_timeout_s, cfg.rollout.context, cfg.rollout.keep_turns)
+    tools = None if args.tools is None else make_tools([t for t in args.tools.split(",") if t], cfg.data.index_dir,
+                                                        top_k=cfg.rollout.search_top_k)
+    env = task_env(task, cfg, tokenizer, tools)
     engine = make_engine(cfg.rollout.engine, model_path, tokenizer, cfg.rollout.max_context_tokens, cfg.rollout.dtype,
                          cfg.rollout.gpu_memory_utilization, cfg.rollout.tensor_parallel_size, cfg.seed)
     sampling = SamplingConfig(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, args.greedy)

@@ -1,22 +1,22 @@
 """
-Train an LLM agent with end-to-end RL over multi-turn tool use: PPO with a critic and mask-aware
-GAE, or GRPO, RLOO, REINFORCE or REINFORCE++ without one. One process per GPU (or CPU rank) under
-torchrun, FSDP2 for training, and a colocated rollout engine in every rank that gets the new
-weights after every update.
+Train an LLM agent with end-to-end RL over multi-turn tool use, or any environment: PPO with a
+critic and mask-aware GAE, or GRPO, RLOO, REINFORCE or REINFORCE++ without one. One process per GPU
+(or CPU rank) under torchrun, FSDP2 for training, and a colocated rollout engine in every rank that
+gets the new weights after every update.
 
     torchrun --nproc_per_node=8 train.py --config=hotpotqa algo=grpo model=Qwen/Qwen2.5-3B-Instruct
     torchrun --nproc_per_node=2 train.py --config=tiny algo=ppo steps=2 run_dir=out/tiny   # CPU
     python train.py --config=tiny train.warm_start_steps=400 train.warm_start_lr=3e-3      # one process
 
-The task (nanoagent/tasks/, by data.task) gives the prompts, the tools, the scoring and the
-demonstrations for an optional warm start by imitation; everything else here is task-agnostic.
+The task (nanoagent/tasks/, by data.task) gives the prompts, the tools or environment, the scoring
+and demonstrations for a warm start by imitation; everything else here is task-agnostic.
 
 One step, top to bottom:
-  1. rollout: every rank rolls out its share of the prompts (G times each), multi-turn with tools;
-     a turn sees the whole trajectory (one growing token row), or with rollout.context=last_k the
-     question and the last K turns, and each turn is then a token row of its own;
+  1. rollout: every rank rolls out its share of the prompts (G times each), multi-turn in the
+     task's environment (tool calls, a game); a turn sees the whole trajectory (one growing token
+     row), or with rollout.context=last_k the question and the last K turns, each turn a row;
   2. rewards: the task scores each trajectory; the outcome reward sits on the last action token,
-     process rewards on the last action token of their turn, and (kl_mode=reward) -kl_coef * k1;
+     process rewards (a step's) on the last action token of their turn, (kl_mode=reward) -kl_coef * k1;
      groups without signal (grpo: all outcomes equal, no process reward) and, optionally,
      trajectories cut by a budget are left out of the update (DAPO);
   3. the engine sleeps; the trainer recomputes old logprobs, reference logprobs and values;
@@ -51,14 +51,13 @@ from nanoagent.engine import SamplingConfig, make_engine, pad_token_id
 from nanoagent.imitation import imitate
 from nanoagent.metrics import evaluate, step_line, step_metrics
 from nanoagent.model import build_models, collate, critic_forward, forward_all, full_tensors, micro_steps, old_policy_forward, policy_forward
-from nanoagent.tasks import load_task
+from nanoagent.tasks import load_task, task_env
 from nanoagent.tiny import resolve_model
-from nanoagent.tools import ToolEnv
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, epilog=reference(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None, help="preset name (tiny, demo, hotpotqa, gsm8k); default: the built-in defaults")
+    parser.add_argument("--config", default=None, help="preset name (tiny, demo, hotpotqa, gsm8k, textworld); default: the built-in defaults")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, dotted keys")
     args = parser.parse_args(argv)
     try:
@@ -76,10 +75,10 @@ def parse_args(argv):
 # the task and the rewards
 
 def task_data(task, cfg, tokenizer):
-    """(train rows, val rows, tool environment): the task's prompts, made on the spot or read from
-    a file, every one checked (well-formed rows, then data.max_prompt_tokens with chat template and
-    tool schemas included) when loaded, on every rank, before any collective."""
-    env = ToolEnv(task.tools(cfg), tokenizer, cfg.rollout.max_obs_tokens, cfg.rollout.tool_timeout_s, cfg.rollout.context, cfg.rollout.keep_turns)
+    """(train rows, val rows, the task's environments): the task's prompts, made on the spot or read
+    from a file, every one checked (well-formed rows, then data.max_prompt_tokens with chat template
+    and tool schemas included) when loaded, on every rank, before any collective."""
+    env = task_env(task, cfg, tokenizer)
     rows = {}
     for split in ("train", "val"):
         prompts = check_prompts(task.prompts(cfg, split), cfg.data.bad_prompts, f"{cfg.data.task} {split} prompts")
@@ -89,17 +88,16 @@ def task_data(task, cfg, tokenizer):
 
 
 def token_rewards(trajs, batch, tool_call_reward):
-    """([R, L] all rewards, [R, L] the process rewards among them) on action tokens of the batch's
-    rows: the outcome on the last action token of the trajectory, the process reward on the last
-    action token of each turn (but the last) whose tool calls all succeeded."""
+    """([R, L] all rewards, [R, L] the process rewards among them) on the batch's action tokens: the
+    outcome on the trajectory's last; on each turn's last, its step reward, plus tool_call_reward
+    when it is not the last turn and its tool calls all succeeded."""
     rewards, process = torch.zeros_like(batch["action_mask"]), torch.zeros_like(batch["action_mask"])
     for t, steps in zip(trajs, batch["steps"]):
-        for turn, (row, _, end) in enumerate(steps[:-1]):
+        for turn, (row, _, end) in enumerate(steps):
             calls = [c for c in t.tool_calls if c.turn == turn]
-            if tool_call_reward and calls and not any(c.error for c in calls):
-                process[row, end - 1] += tool_call_reward
-        row, _, end = steps[-1]
-        rewards[row, end - 1] += t.reward
+            succeeded = turn < len(steps) - 1 and calls and not any(c.error for c in calls)
+            process[row, end - 1] += t.step_rewards[turn] + (tool_call_reward if succeeded else 0.0)
+        rewards[steps[-1][0], steps[-1][2] - 1] += t.reward  # (row, start, end) of the last turn
     return rewards + process, process
 
 
@@ -107,19 +105,21 @@ def trained_rows(trajs, outcomes, process, owner, groups, cfg):
     """
     Which trajectories the update trains on ([B] float, 1 or 0), and how many are left out for
     each reason. DAPO's dynamic sampling (grpo.drop_uniform_groups): a group whose advantages are
-    all 0 has no signal; for grpo and rloo (rl.outcome_token_advantages) that is a group whose outcomes are all
-    equal and none of whose trajectories earned a process reward. DAPO's overlong filtering
-    (train.overlong_filter): a trajectory cut by the token or context budget is not trained on (it
-    still counts in its group's baseline; it is counted as dropped_overlong when its group is not
-    dropped already). outcomes: [B]; process: [R, L] process rewards; owner: [R] each row's
-    trajectory; groups: [B] group ids.
+    all 0 has no signal; for grpo and rloo (rl.outcome_token_advantages) that is a group whose
+    outcomes are all equal and none of whose trajectories earned a process reward. DAPO's overlong
+    filtering (train.overlong_filter): a trajectory cut by the token or context budget is not
+    trained on (it still counts in its group's baseline, and as dropped_overlong when its group is
+    not dropped already); nor is one whose environment failed (env_error). outcomes: [B]; process:
+    [R, L] process rewards; owner: [R] each row's trajectory; groups: [B] group ids.
     """
     uniform = torch.zeros(len(trajs), dtype=torch.bool)
     if cfg.algo in ("grpo", "rloo") and cfg.grpo.drop_uniform_groups:
         earned = torch.zeros(len(trajs)).index_add_(0, owner, process.abs().sum(-1))  # [B]
         uniform = rl.uniform_groups(outcomes, groups) & rl.uniform_groups(earned, groups) & (earned == 0)  # earned: all 0
     overlong = torch.tensor([cfg.train.overlong_filter and t.finish_reason in ("truncated", "context_budget") for t in trajs])
-    return (~uniform & ~overlong).float(), {"dropped_uniform": uniform.sum().item(), "dropped_overlong": (overlong & ~uniform).sum().item()}
+    failed = torch.tensor([t.finish_reason == "env_error" for t in trajs])  # its reward says nothing of the policy
+    return (~uniform & ~overlong & ~failed).float(), {"dropped_uniform": uniform.sum().item(), "dropped_overlong": (overlong & ~uniform).sum().item(),
+                                                      "dropped_env_error": (failed & ~uniform & ~overlong).sum().item()}
 
 
 # -----------------------------------------------------------------------------
@@ -300,7 +300,7 @@ def main(argv=None):
     for step in range(start_step, cfg.steps):
         t0 = time.perf_counter()
         set_hyperparameters(optimizers, step, cfg)
-        # 1. rollout: G samples of each of this rank's prompts, multi-turn with tools
+        # 1. rollout: G samples of each of this rank's prompts, multi-turn in the task's environment
         prompts = step_prompts(train_rows, step, per_rank, rank, world, cfg.seed, cfg.data.shuffle)
         engine.wake()
         trajs = run_agent(engine, env, [p for p in prompts for _ in range(cfg.rollout.group_size)], sampling, cfg.rollout.max_turns,

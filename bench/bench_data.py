@@ -6,7 +6,7 @@ The data path of a training step and of start-up (prints figures; asserts nothin
 1. step_prompts at HotpotQA's size (100k rows, 128 prompts per step, 8 ranks): median time per
    call, against the implementation it replaced (the whole prompt list rebuilt and reshuffled
    once per prompt), run here as the baseline.
-2. Prompt lengths at load time (ToolEnv.prompt_lengths: chat template + tool schema + one batched
+2. Prompt lengths at load time (ChatEnv.prompt_lengths: chat template + tool schema + one batched
    encode) for HotpotQA-like prompts with the tiny tokenizer: time per 1,000 rows.
 """
 
@@ -19,9 +19,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from nanoagent.common import median_time  # noqa: E402
 from nanoagent.data import step_prompts  # noqa: E402
+from nanoagent.env import tool_env  # noqa: E402
 from nanoagent.tasks.hotpotqa import qa_row  # noqa: E402
 from nanoagent.tiny import ensure_tiny_model  # noqa: E402
-from nanoagent.tools import ToolEnv, search_tool  # noqa: E402
+from nanoagent.tools import search_tool  # noqa: E402
 
 
 def step_prompts_before(rows, step, per_rank, rank, world, seed, shuffle):
@@ -47,7 +48,7 @@ def main():
           f"(before: {before:.2f} s; {before / now:,.0f}x)")
 
     from transformers import AutoTokenizer
-    env = ToolEnv([search_tool(None)], AutoTokenizer.from_pretrained(ensure_tiny_model()))
+    env = tool_env([search_tool(None)], AutoTokenizer.from_pretrained(ensure_tiny_model()))
     questions = [qa_row(str(i), f"Which city was the director of the film number {i} born in, and in which year?", ["x"], "bridge", "easy", [])
                  for i in range(5000)]
     start = time.perf_counter()

@@ -10,11 +10,11 @@ Rollout speed on this machine (prints figures; asserts nothing).
    - raw generation: each trajectory's action tokens sampled in one request from its prompt
      (min_tokens = max_tokens), all together: what the engine does without any agent loop;
    - the old loop, batch per turn (kept here as the baseline): all live trajectories generate a
-     turn together, then all their tool calls run, then the next turn starts;
+     turn together, then all their environments step (their tool calls run), then the next turn starts;
    - the new loop, nanoagent.agent.run_agent: each trajectory scheduled on its own;
    with tools that answer at once and with tools that answer after 0-200 ms (drawn per call from
    a fixed seed and the call's arguments, so a call waits as long in both loops), and the engine's
-   idle fraction (the share of the loop's time with nothing to generate, waiting for tools).
+   idle fraction (the share of the loop's time with nothing to generate, waiting for environments).
 2. VLLMEngine.load_weights: one call handing vLLM an iterator over all tensors, against one
    reload call per parameter (the "storm" it avoids), for the tiny model and a ~80M model.
 Medians of several runs, in one process.
@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import wait
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -40,37 +41,42 @@ import scripted  # noqa: E402
 from nanoagent.agent import observe, run_agent, start_trajectories, take_turn, turn_seed  # noqa: E402
 from nanoagent.common import median_time  # noqa: E402
 from nanoagent.engine import SamplingConfig, VLLMEngine, stop_token_ids  # noqa: E402
+from nanoagent.env import tool_env  # noqa: E402
 from nanoagent.retriever import InMemoryRetriever, load_encoder, packaged_minilm_path  # noqa: E402
 from nanoagent.tiny import build_tiny_model  # noqa: E402
-from nanoagent.tools import Tool, ToolEnv, calculator_tool, search_tool  # noqa: E402
+from nanoagent.tools import Tool, calculator_tool, search_tool  # noqa: E402
 
 REPEATS = 5
-MAX_TURNS, MAX_CONTEXT, SEED = 4, 2048, 7
+MAX_TURNS, MAX_CONTEXT, SEED, TIMEOUT_S = 4, 2048, 7, 2.0
 
 
 def batch_per_turn(engine, env, samples, sampling, max_turns, max_context_tokens, seed=None, timing=None):
     """The loop run_agent replaced: every turn, all live trajectories generate together, then all
-    their tool calls run (one env.run), then the next turn. Same interface and trajectories as run_agent."""
+    their environments step together (the turn's tool calls run), then the next turn. Same interface
+    and trajectories as run_agent."""
     trajs = start_trajectories(env, samples, max_context_tokens)
     live, engine_s, idle_s = list(range(len(trajs))), 0.0, 0.0
     for turn in range(max_turns):
-        budgets = [min(sampling.max_new_tokens, max_context_tokens - len(trajs[i])) for i in live]
+        prompts = [trajs[i].next_prompt_ids() for i in live]
+        budgets = [min(sampling.max_new_tokens, max_context_tokens - len(p)) for p in prompts]
         start = time.perf_counter()
-        gens = engine.generate([trajs[i].prompt_ids + trajs[i].response_ids for i in live], sampling, budgets,
-                               [turn_seed(seed, i, turn) for i in live])
+        gens = engine.generate(prompts, sampling, budgets, [turn_seed(seed, i, turn) for i in live])
         engine_s += time.perf_counter() - start
-        pending = [(i, take_turn(trajs[i], gen, budget, turn, max_turns, sampling.max_new_tokens, env.tokenizer))
+        actions = [(i, gen.finish_reason, budget, *take_turn(trajs[i], gen.token_ids, gen.logprobs, env.tokenizer))
                    for i, gen, budget in zip(live, gens, budgets)]
-        pending = [(i, *p) for i, p in pending if p is not None]
         start = time.perf_counter()
-        env.run([c for *_, calls in pending for c in calls])
+        steps = [(i, env.start(trajs[i].env, content), content, eos,
+                  None if finish != "length" else "context_budget" if budget < sampling.max_new_tokens else "truncated")
+                 for i, finish, budget, content, eos in actions]
+        wait([step for _, step, *_ in steps])
         idle_s += time.perf_counter() - start
-        live = [i for i, content, eos, calls in pending if observe(trajs[i], env, content, eos, calls, max_context_tokens)]
+        live = [i for i, step, content, eos, cut in steps
+                if observe(trajs[i], env, step, content, eos, turn == max_turns - 1, cut, max_context_tokens)]
     timing.update(engine_s=engine_s, idle_s=idle_s)
     return trajs
 
 
-def with_latency(env, most, seed):
+def with_latency(env, tools, most, seed):
     """The same tools, each call answering after a delay in [0, most) s drawn from (seed, its
     arguments); a batch of calls answers after the longest of their delays."""
     def delay(arguments):
@@ -85,7 +91,7 @@ def with_latency(env, most, seed):
             time.sleep(max(map(delay, arguments)))
             return tool.call_batch(arguments)
         return Tool(tool.name, tool.description, tool.parameters, call, call_batch if tool.call_batch else None)
-    return ToolEnv([slowed(t) for t in env.tools.values()], env.tokenizer, env.max_obs_tokens, env.timeout_s)
+    return tool_env([slowed(t) for t in tools], env.tokenizer, env.max_obs_tokens, TIMEOUT_S)
 
 
 def raw_generation(engine, trajs):
@@ -97,19 +103,19 @@ def raw_generation(engine, trajs):
     engine.llm.generate([TokensPrompt(prompt_token_ids=t.prompt_ids) for t in trajs], params, use_tqdm=False)
 
 
-def bench_loops(engine, env, copies):
+def bench_loops(engine, env, tools, copies):
     samples = [{"id": q, "messages": scripted.user(q)} for q in scripted.SCRIPTS if q != "Wait a long time."] * copies
     sampling = SamplingConfig(max_new_tokens=64, temperature=1.0)
     loops = {"old": batch_per_turn, "new": run_agent}
     print(f"agent loop: {len(samples)} trajectories, max {MAX_TURNS} turns, seeded sampling at temperature 1")
     print(f"{'tools':>9} | {'raw gen':>7} | {'old loop':>8} {'x raw':>6} {'idle':>5} | {'new loop':>8} {'x raw':>6} {'idle':>5} | new vs old")
-    for label, tools in [("at once", env), ("0-200 ms", with_latency(env, 0.2, SEED))]:
+    for label, run_env in [("at once", env), ("0-200 ms", with_latency(env, tools, 0.2, SEED))]:
         times, idle, trajs = {"raw": [], "old": [], "new": []}, {"old": [], "new": []}, {}
         for repeat in range(REPEATS + 1):  # the first is a warm-up
             for name, loop in loops.items():
                 timing = {}
                 start = time.perf_counter()
-                trajs[name] = loop(engine, tools, samples, sampling, MAX_TURNS, MAX_CONTEXT, seed=SEED, timing=timing)
+                trajs[name] = loop(engine, run_env, samples, sampling, MAX_TURNS, MAX_CONTEXT, seed=SEED, timing=timing)
                 seconds = time.perf_counter() - start
                 if repeat:
                     times[name].append(seconds)
@@ -142,10 +148,11 @@ def main():
     base = build_tiny_model(os.path.join(tmp, "tiny"))
     tok = AutoTokenizer.from_pretrained(base)
     retriever = InMemoryRetriever(scripted.CORPUS, load_encoder(packaged_minilm_path()))
-    env = ToolEnv([calculator_tool(), search_tool(retriever, 1)], tok, max_obs_tokens=64, timeout_s=2.0)
+    tools = [calculator_tool(), search_tool(retriever, 1)]
+    env = tool_env(tools, tok, max_obs_tokens=64, timeout_s=TIMEOUT_S)
     model_dir, _ = scripted.memorise(base, os.path.join(tmp, "scripted"), env, steps=150)
     engine = VLLMEngine(model_dir, stop_token_ids(tok), 2048, dtype="float32")
-    bench_loops(engine, env, copies=8)
+    bench_loops(engine, env, tools, copies=8)
     bench_reload(engine, model_dir, "tiny")
     del engine
     bigger = build_tiny_model(os.path.join(tmp, "bigger"), hidden_size=1024, num_layers=8)

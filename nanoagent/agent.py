@@ -1,14 +1,15 @@
 """
-The multi-turn agent loop: generate, call tools, observe, repeat.
+The multi-turn agent loop: generate, step the environment, observe, repeat.
 
 Each trajectory is scheduled on its own, as the systems we learn from do (verl's AgentLoop, SkyRL,
-AReaL): its turn is a request in the engine; when the request finishes, its tool calls start in
-the background (ToolEnv.start) while the engine keeps decoding the other trajectories' turns; when
-its results are back, its next turn enters the engine at once, and prefix caching reuses the KV of
-its earlier turns. A trajectory that answers in one turn frees its slot; a slow tool holds up only
-the trajectory that called it. Tool calls that are waiting at the same moment run together (one
-batched search). With seeds, trajectory i samples turn k with a seed of its own derived from
-(seed, i, k), so what it samples does not depend on when its tools answered or what else ran.
+AReaL): its turn is a request in the engine; when the request finishes, its environment steps on
+the action in the background (ChatEnv.start: a tool task runs its tool calls, a game its command)
+while the engine keeps decoding the other trajectories' turns; when the step is back, its next
+turn enters the engine at once, and prefix caching reuses the KV of its earlier turns. A
+trajectory that is done frees its slot; a slow step holds up only the trajectory that took it.
+Tool calls that are waiting at the same moment run together (one batched search, tools.ToolRunner).
+With seeds, trajectory i samples turn k with a seed of its own derived from (seed, i, k), so what
+it samples does not depend on when its steps came back or what else ran.
 
 A trajectory is one token row
 
@@ -16,47 +17,55 @@ A trajectory is one token row
 
 kept token-in/token-out: act_k are the ids the engine sampled (action_mask 1, with their rollout
 logprobs), obs_k are the ids the environment appended (action_mask 0): the chat-template glue that
-closes the assistant turn, the tool results, and the next assistant header. Nothing is ever
-decoded and re-encoded, so the trainer scores exactly the tokens that were sampled.
+closes the assistant turn, the observation (tool results, a game's text), and the next assistant
+header. Nothing is ever decoded and re-encoded, so the trainer scores exactly the tokens that were
+sampled. Each step's reward is kept per turn (Trajectory.step_rewards); the trainer puts it on the
+turn's last action token.
 
-With rollout.context=last_k (ToolEnv.context) a turn does not see the whole trajectory: the
-environment renders its prompt afresh from the conversation, the system prompt and the question
-with the last K turns (Agent-R1 v0.1's step context; Trajectory.step_prompts). Each turn is then a
-pair (the prompt ids it was sampled from, the ids it sampled), token-in/token-out within the turn,
-and the trainer scores each pair as a sequence of its own (Trajectory.sequences). Earlier turns
-are re-rendered from their text in later prompts, so a turn's prompt can differ from the tokens
+With rollout.context=last_k (ChatEnv.context) a turn does not see the whole trajectory: the
+prompt is rendered afresh from the conversation, the system prompt and the task with the last K
+turns (Agent-R1 v0.1's step context; Trajectory.step_prompts). Each turn is then a pair (the
+prompt ids it was sampled from, the ids it sampled), token-in/token-out within the turn, and the
+trainer scores each pair as a sequence of its own (Trajectory.sequences). Earlier turns are
+re-rendered from their text in later prompts, so a turn's prompt can differ from the tokens
 sampled before it; what is trained is always what the engine saw and sampled.
 
-A trajectory ends when the model answers without a tool call ("answer"); when a turn is cut by the
-new-token budget, without a call or in the last allowed turn ("truncated"), or by the context budget
-("context_budget", as when the next observation would not fit); or when it makes a call in its last
-allowed turn ("max_turns"). A turn cut inside a tool call before the last turn goes on: the model
-reads that its call was not closed.
+A trajectory ends when its environment says it is done ("done": a tool task's model answered
+without a tool call, a game was won or lost); when a turn is cut by the new-token budget, and the
+environment is done or it was the last allowed turn ("truncated"), or by the context budget
+("context_budget", as when the next observation would not fit); after the last allowed turn
+without the environment being done ("max_turns": the turn budget, gym's truncation); or when a
+step of its environment failed ("env_error", with the reason in Trajectory.error). A turn cut
+before the last turn otherwise goes on: the environment reads what was cut (a tool call that was
+not closed is an error the model reads).
 """
 
 import time
-from concurrent.futures import FIRST_COMPLETED, wait
 from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
-from nanoagent.tools import parse_tool_calls, turn_messages
+from nanoagent.engine import stop_token_ids
 
-FINISH_REASONS = ("answer", "truncated", "context_budget", "max_turns")
+FINISH_REASONS = ("done", "truncated", "context_budget", "max_turns", "env_error")
 
 
 @dataclass
 class Trajectory:
-    sample: dict                                           # the data row: id, messages, answers, ...
+    sample: dict                                           # the data row (id, messages, answers, ...); its messages: what reset returned
     prompt_ids: list
     messages: list                                         # the conversation, prompt included
+    env: object = None                                     # its environment (env.py), made for it alone
     response_ids: list = field(default_factory=list)       # full context: act_1 obs_1 ... act_n; last_k: act_1 ... act_n
     action_mask: list = field(default_factory=list)        # 1: sampled by the policy; 0: added by the environment
     rollout_logprobs: list = field(default_factory=list)   # engine logprob of each response token (0 where mask 0)
     turn_spans: list = field(default_factory=list)         # [start, end) of each action in response_ids
+    step_rewards: list = field(default_factory=list)       # the environment's reward for each turn
     step_prompts: list = field(default_factory=list)       # last_k: the prompt ids each turn was sampled from
-    tool_calls: list = field(default_factory=list)         # ToolCall, with the turn it was made in
+    tool_calls: list = field(default_factory=list)         # ToolCall, with the turn it was made in (a tool task's steps' info)
     final_text: str = ""                                   # content of the last assistant turn
     finish_reason: str | None = None
+    error: str | None = None                               # env_error: what went wrong
     reward: float = 0.0
     scores: dict = field(default_factory=dict)
 
@@ -89,8 +98,8 @@ class Trajectory:
     def to_json(self, tokenizer):
         return {
             "id": self.sample.get("id"), "answers": self.sample.get("answers", []),
-            "finish_reason": self.finish_reason, "reward": self.reward, "scores": self.scores,
-            "turns": len(self.turn_spans), "final_text": self.final_text,
+            "finish_reason": self.finish_reason, **({"error": self.error} if self.error else {}), "reward": self.reward,
+            "scores": self.scores, "turns": len(self.turn_spans), "step_rewards": self.step_rewards, "final_text": self.final_text,
             "tool_calls": [{"turn": c.turn, "name": c.name, "arguments": c.arguments, "result": c.result,
                             "error": c.error, "seconds": round(c.seconds, 4)} for c in self.tool_calls],
             "messages": self.messages, "prompt_ids": self.prompt_ids, "response_ids": self.response_ids,
@@ -101,13 +110,19 @@ class Trajectory:
 
 
 def start_trajectories(env, samples, max_context_tokens):
-    """One empty trajectory per sample: its prompt ids, rendered with the tools' schemas."""
+    """One trajectory per sample, with an environment of its own, reset on the sample: its prompt ids
+    are the conversation reset returns, rendered (with the tools' schemas, for a tool task)."""
     trajs = []
     for s in samples:
-        prompt_ids = env.prompt_ids(s["messages"])
+        environment = env.make()
+        try:
+            messages = list(environment.reset(s))
+        except Exception as e:
+            raise RuntimeError(f"the environment of {s.get('id')!r} did not reset: {type(e).__name__}: {e}") from e
+        prompt_ids = env.prompt_ids(messages)
         if len(prompt_ids) >= max_context_tokens:
             raise ValueError(f"prompt {s.get('id')!r} is {len(prompt_ids)} tokens, over the context budget of {max_context_tokens}")
-        trajs.append(Trajectory(sample=s, prompt_ids=prompt_ids, messages=list(s["messages"]),
+        trajs.append(Trajectory(sample={**s, "messages": messages}, prompt_ids=prompt_ids, messages=list(messages), env=environment,
                                 step_prompts=[prompt_ids] if env.context == "last_k" else []))
     return trajs
 
@@ -117,70 +132,67 @@ def turn_seed(seed, i, turn):
     return None if seed is None else (seed * 1_000_003 + i * 1009 + turn) % 2**31
 
 
-def take_turn(t, gen, budget, turn, max_turns, max_new_tokens, tokenizer):
-    """
-    Append a generated action to the trajectory. Returns (content, ended_with_eos, calls) when its
-    tool calls are to run and the trajectory goes on, None when this turn ended it.
-    """
+def take_turn(t, ids, logprobs, tokenizer):
+    """Append an action's ids to the trajectory. Returns its text (decoded, EOS excluded: what the
+    environment steps on) and whether it ended with EOS."""
     start = len(t.response_ids)
-    t.append(gen.token_ids, 1, gen.logprobs)
+    t.append(ids, 1, logprobs)
     t.turn_spans.append((start, len(t.response_ids)))
-    ended_with_eos = gen.finish_reason == "stop" and gen.token_ids[-1] == tokenizer.eos_token_id
-    content = tokenizer.decode(gen.token_ids[:-1] if ended_with_eos else gen.token_ids, skip_special_tokens=False)
-    calls = parse_tool_calls(content)
-    for c in calls:
-        c.turn = turn
-    t.tool_calls += calls
-    if calls and turn < max_turns - 1:
-        return content, ended_with_eos, calls
-    t.messages.append({"role": "assistant", "content": content})
-    t.final_text = content
-    # A turn the budget cut is labelled by the cut even when it opened a tool call: its text is
-    # unfinished, which is what overlong filtering and the finish/truncated metric count.
-    if gen.finish_reason == "length":
-        t.finish_reason = "context_budget" if budget < max_new_tokens else "truncated"
-    elif calls:
-        t.finish_reason = "max_turns"
-    else:
-        t.finish_reason = "answer"
-    return None
+    ended_with_eos = bool(ids) and ids[-1] == tokenizer.eos_token_id
+    return tokenizer.decode(ids[:-1] if ended_with_eos else ids, skip_special_tokens=False), ended_with_eos
 
 
-def observe(t, env, content, ended_with_eos, calls, max_context_tokens):
-    """Add a turn's tool results: with the full context append their observation ids to the row;
-    with last_k render the next turn's prompt. False when that leaves no room for another action
-    token (the trajectory ends, "context_budget"), True when the trajectory goes on."""
-    results = [c.result for c in calls]
+def observe(t, env, step, content, ended_with_eos, last_turn, cut, max_context_tokens):
+    """
+    Take a turn's step into the trajectory (step: its Future, ChatEnv.start). cut: None, or the
+    finish reason of a turn the budget cut ("truncated" or "context_budget"). With the full context
+    the observation's ids are appended to the row; with last_k the next turn's prompt is rendered.
+    Returns True when the trajectory goes on, False when this ended it (module docstring).
+    """
+    assistant = {"role": "assistant", "content": content}
+    try:
+        observation, reward, done, info = step.result()
+    except Exception as e:  # the environment failed: this trajectory ends, no other
+        t.messages.append(assistant)
+        t.step_rewards.append(0.0)
+        t.final_text, t.finish_reason, t.error = content, "env_error", str(e)
+        return False
+    t.step_rewards.append(reward)
+    t.tool_calls += info.get("tool_calls", [])
+    if done or last_turn:
+        t.messages.append(assistant)
+        t.final_text, t.finish_reason = content, cut or ("done" if done else "max_turns")
+        return False
+    observation = [{**m, "content": env.truncate(m["content"], m["role"])} for m in observation]
     if env.context == "full":
-        obs_ids, new_messages = env.observation_ids(t.messages, content, results, ended_with_eos)
+        obs_ids = env.observation_ids(t.messages, content, observation, ended_with_eos)
         next_length = len(t) + len(obs_ids)
     else:
-        new_messages = turn_messages(content, results)
-        next_prompt = env.step_prompt_ids(t.messages + new_messages, len(t.sample["messages"]))
+        next_prompt = env.step_prompt_ids(t.messages + [assistant] + observation, len(t.sample["messages"]))
         next_length = len(next_prompt)
     if next_length >= max_context_tokens:
-        t.messages.append(new_messages[0])
-        t.final_text = content
-        t.finish_reason = "context_budget"
+        t.messages.append(assistant)
+        t.final_text, t.finish_reason = content, "context_budget"
         return False
     if env.context == "full":
         t.append(obs_ids, 0)
     else:
         t.step_prompts.append(next_prompt)
-    t.messages += new_messages
+    t.messages += [assistant] + observation
     return True
 
 
 def run_agent(engine, env, samples, sampling, max_turns, max_context_tokens, seed=None, timing=None):
     """
     Roll out one trajectory per sample (repeat samples for groups); each is scheduled on its own
-    (module docstring). env: a ToolEnv, which owns the tokenizer and the chat template. seed: when
-    given, trajectory i samples turn k with a seed derived from (seed, i, k). timing: a dict that
-    gets "engine_s" (time in engine steps) and "idle_s" (time with nothing to generate, waiting for
-    tools). Returns the trajectories in the order of samples.
+    (module docstring). env: a ChatEnv, which makes each trajectory's environment, runs its steps and
+    owns the tokenizer and the chat template. seed: when given, trajectory i samples turn k with a
+    seed derived from (seed, i, k). timing: a dict that gets "engine_s" (time in engine steps) and
+    "idle_s" (time with nothing to generate, waiting for environments). Returns the trajectories in
+    the order of samples.
     """
     trajs = start_trajectories(env, samples, max_context_tokens)
-    generating, running_tools = {}, {}  # request id -> (i, turn, budget);  tool future -> (i, turn, content, eos, calls)
+    generating, stepping = {}, {}  # request id -> (i, turn, budget);  step future -> (i, turn, content, eos, cut)
     engine_s = idle_s = 0.0
 
     def submit(i, turn):
@@ -191,24 +203,22 @@ def run_agent(engine, env, samples, sampling, max_turns, max_context_tokens, see
 
     for i in range(len(trajs)):
         submit(i, 0)
-    while generating or running_tools:
+    while generating or stepping:
         start = time.perf_counter()
-        # an engine that batches per call (HFEngine) waits for every tool so that a turn's requests go together
-        if generating and (engine.continuous_batching or not running_tools):
+        # an engine that batches per call (HFEngine) waits for every step so that a turn's requests go together
+        if generating and (engine.continuous_batching or not stepping):
             for request_id, gen in engine.step():
                 i, turn, budget = generating.pop(request_id)
-                pending = take_turn(trajs[i], gen, budget, turn, max_turns, sampling.max_new_tokens, env.tokenizer)
-                if pending is not None:
-                    running_tools[env.start(pending[2])] = (i, turn, *pending)
+                content, ended_with_eos = take_turn(trajs[i], gen.token_ids, gen.logprobs, env.tokenizer)
+                cut = None if gen.finish_reason != "length" else "context_budget" if budget < sampling.max_new_tokens else "truncated"
+                stepping[env.start(trajs[i].env, content)] = (i, turn, content, ended_with_eos, cut)
             engine_s += time.perf_counter() - start
-        else:  # nothing to generate until a tool answers
-            wait(running_tools, return_when=FIRST_COMPLETED)
+        else:  # nothing to generate until a step is back
+            wait(stepping, return_when=FIRST_COMPLETED)
             idle_s += time.perf_counter() - start
-        for future in [f for f in running_tools if f.done()]:
-            i, turn, content, ended_with_eos, calls = running_tools.pop(future)
-            future.result()  # raises what the environment raised
-            env.truncate_results(calls)
-            if observe(trajs[i], env, content, ended_with_eos, calls, max_context_tokens):
+        for future in [f for f in stepping if f.done()]:
+            i, turn, content, ended_with_eos, cut = stepping.pop(future)
+            if observe(trajs[i], env, future, content, ended_with_eos, turn == max_turns - 1, cut, max_context_tokens):
                 submit(i, turn + 1)
     if timing is not None:
         timing.update(engine_s=engine_s, idle_s=idle_s)
@@ -222,6 +232,7 @@ def rollout_metrics(trajs, seconds=None):
     calls = [c for t in trajs for c in t.tool_calls]
     metrics = {
         "reward": sum(t.reward for t in trajs) / n,
+        "step_reward": sum(sum(t.step_rewards) for t in trajs) / n,
         "turns": sum(len(t.turn_spans) for t in trajs) / n,
         "response_tokens": sum(len(t.response_ids) for t in trajs) / n,
         "context_tokens": sum(max(len(ids) for ids, *_ in t.sequences()) for t in trajs) / n,  # the longest prompt + action
@@ -243,33 +254,25 @@ def rollout_metrics(trajs, seconds=None):
 def scripted_trajectories(env, samples, scripts):
     """
     Trajectories whose actions are given texts (demonstrations for a warm start), assembled the
-    way run_agent assembles sampled ones: the action ids are the text's tokens (+ EOS when the turn
-    has no tool call), the tools run for real, all trajectories' calls of a turn together (one
-    batched search), and the observations are the template's suffix. scripts[i]: the assistant
-    turn texts of samples[i].
+    way run_agent assembles sampled ones: the action ids are the text's tokens, + EOS unless the
+    text ends with a stop tag (as the engine would have stopped), the environments step for real,
+    all trajectories' steps of a turn together (one batched search), and the observations are the
+    template's suffix. scripts[i]: the assistant turn texts of samples[i]; a trajectory ends when
+    its environment is done or its script is.
     """
     tokenizer = env.tokenizer
+    stops = set(stop_token_ids(tokenizer))
     trajs = start_trajectories(env, samples, max_context_tokens=float("inf"))
     for turn in range(max(map(len, scripts), default=0)):
-        pending = []  # (trajectory, content, calls) whose calls run this turn
+        stepping = {}  # step future -> (trajectory, content, ended with EOS)
         for t, script in zip(trajs, scripts):
             if t.finish_reason or turn >= len(script):
                 continue
-            content = script[turn]
-            calls = parse_tool_calls(content)
-            ids = tokenizer.encode(content, add_special_tokens=False) + ([] if calls else [tokenizer.eos_token_id])
-            start = len(t.response_ids)
-            t.append(ids, 1, [0.0] * len(ids))
-            t.turn_spans.append((start, len(t.response_ids)))
-            if not calls:
-                t.messages.append({"role": "assistant", "content": content})
-                t.final_text, t.finish_reason = content, "answer"
-                continue
-            for c in calls:
-                c.turn = turn
-            t.tool_calls += calls
-            pending.append((t, content, calls))
-        env.run([c for *_, calls in pending for c in calls])
-        for t, content, calls in pending:
-            observe(t, env, content, False, calls, max_context_tokens=float("inf"))
+            ids = tokenizer.encode(script[turn], add_special_tokens=False)
+            ids += [] if ids and ids[-1] in stops else [tokenizer.eos_token_id]
+            content, ended_with_eos = take_turn(t, ids, None, tokenizer)
+            stepping[env.start(t.env, content)] = (t, content, ended_with_eos)
+        wait(stepping)
+        for future, (t, content, ended_with_eos) in stepping.items():
+            observe(t, env, future, content, ended_with_eos, False, None, float("inf"))
     return trajs

@@ -187,6 +187,14 @@ PRESETS = {
         "rollout.max_turns=4", "rollout.max_new_tokens=512", "rollout.max_context_tokens=6144",
         "train.lr=1e-6", "eval.every=20", "eval.num_prompts=500",
     ],
+    # one GPU node: Qwen2.5-1.5B-Instruct playing TextWorld games, one command a turn (prepare_data.py --task=textworld)
+    "textworld": [
+        "model=Qwen/Qwen2.5-1.5B-Instruct", "algo=grpo", "steps=100", "run_dir=out/textworld",
+        "data.task=textworld", "data.train_path=data/textworld/train.parquet", "data.val_path=data/textworld/val.parquet",
+        "data.max_prompt_tokens=1024", "rollout.prompts_per_step=64", "rollout.group_size=8", "rollout.max_turns=12",
+        "rollout.max_new_tokens=32", "rollout.max_context_tokens=4096", "rollout.max_obs_tokens=256",
+        "train.lr=1e-6", "eval.every=10", "eval.num_prompts=64",
+    ],
     # one GPU: GSM8K with the calculator, Agent-R1 v0's tool example (its reward asks for <think> in every turn)
     "gsm8k": [
         "model=Qwen/Qwen2.5-3B-Instruct", "algo=grpo", "steps=200", "run_dir=out/gsm8k",

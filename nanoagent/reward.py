@@ -92,7 +92,7 @@ def tags_well_formed(text):
 def format_score(traj, require_think=False):
     """1.0 when the trajectory has the format the task asks for (module docstring), else 0.0."""
     turns = [m["content"] for m in traj.messages[len(traj.sample["messages"]):] if m["role"] == "assistant"]
-    if traj.finish_reason != "answer" or not turns or any(c.error for c in traj.tool_calls):
+    if traj.finish_reason != "done" or not turns or any(c.error for c in traj.tool_calls):
         return 0.0
     for k, text in enumerate(turns):
         if not tags_well_formed(text) or (require_think and not re.match(r"\s*<think>", text)):

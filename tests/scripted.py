@@ -42,17 +42,18 @@ CORPUS = [
 
 
 def scripted_conversations(env):
-    """Full conversations for each script, with the real tools' results rendered in between."""
-    from nanoagent.tools import parse_tool_calls
+    """Full conversations for each script, with the real tools' results in between as the agent
+    loop puts them: each script stepped through an environment of env's, each observation cut to
+    its token budget."""
     conversations = []
     for question, turns in SCRIPTS.items():
-        messages = user(question)
+        environment = env.make()
+        messages = list(environment.reset({"messages": user(question)}))
         for content in turns:
             messages.append({"role": "assistant", "content": content})
-            calls = parse_tool_calls(content)
-            if calls:
-                env.run(calls)
-                messages += [{"role": "tool", "content": c.result} for c in calls]
+            observation, _, done, _ = environment.step(content)
+            if not done:
+                messages += [{**m, "content": env.truncate(m["content"], m["role"])} for m in observation]
         conversations.append(messages)
     return conversations
 

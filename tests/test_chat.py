@@ -24,7 +24,8 @@ import procs
 import scripted
 from nanoagent.agent import Trajectory
 from nanoagent.engine import HFEngine, SamplingConfig, stop_token_ids
-from nanoagent.tools import ToolEnv, calculator_tool, parse_tool_calls
+from nanoagent.env import tool_env
+from nanoagent.tools import calculator_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -38,7 +39,7 @@ GREEDY = SamplingConfig(max_new_tokens=48, greedy=True)
 
 @pytest.fixture(scope="module")
 def env(tiny_model_dir):
-    return ToolEnv([calculator_tool()], AutoTokenizer.from_pretrained(tiny_model_dir))
+    return tool_env([calculator_tool()], AutoTokenizer.from_pretrained(tiny_model_dir))
 
 
 @pytest.fixture(scope="module")
@@ -68,18 +69,23 @@ def test_conversation_carries_over_and_starts_over_when_full(chat_model, env):
 
 
 def panel_trajectory(env, turns, finish_reason):
-    """A trajectory of the given assistant turns, their tool calls run for real, as run_agent makes one."""
+    """A trajectory of the given assistant turns, stepped through the environment (their tool calls
+    run for real), as run_agent makes one: the model reads the results of every turn but the last."""
     asked = scripted.user(QUESTION)
+    environment = env.make()
     t = Trajectory(sample={"messages": asked}, prompt_ids=[], messages=list(asked), finish_reason=finish_reason)
     for turn, content in enumerate(turns):
-        calls = parse_tool_calls(content)
-        if not (finish_reason == "max_turns" and turn == len(turns) - 1):  # as run_agent: a call in the last turn never runs
-            env.run(calls)
-        for c in calls:
-            c.turn = turn
-        t.tool_calls += calls
-        t.messages += [{"role": "assistant", "content": content}] + [{"role": "tool", "content": c.result} for c in calls]
+        observation, _, _, info = environment.step(content)
+        t.tool_calls += info["tool_calls"]
+        t.messages.append({"role": "assistant", "content": content})
+        if turn < len(turns) - 1:
+            t.messages += [{**m, "content": env.truncate(m["content"], m["role"])} for m in observation]
     return t
+
+
+def tool_message(traj, k):
+    """The k-th tool message of a trajectory: a result as the model read it."""
+    return [m for m in traj.messages if m["role"] == "tool"][k]
 
 
 def render(traj):
@@ -93,7 +99,7 @@ def test_panels_show_reasoning_calls_results_errors_and_answer(env):
         return panel_trajectory(env, turns, finish_reason)
 
     out = render(trajectory(["<think>Multiply with the tool.</think>\n" + scripted.call("calculator", {"expression": "12*7"}) +
-                             scripted.call(None, None, raw="{oops}"), "<answer>84</answer>"], "answer"))
+                             scripted.call(None, None, raw="{oops}"), "<answer>84</answer>"], "done"))
     order = ["reasoning", "Multiply with the tool.", "tool call", 'calculator({"expression": "12*7"})', "calculator result", "84",
              "tool call", "{oops}", "tool error", "invalid JSON", "answer", "84"]
     at = 0
@@ -107,7 +113,7 @@ def test_panels_show_reasoning_calls_results_errors_and_answer(env):
 
 
 def test_panels_say_what_each_step_saw_with_a_context_per_step(env):
-    t = panel_trajectory(env, [scripted.call("calculator", {"expression": "1+1"})] * 3 + ["<answer>2</answer>"], "answer")
+    t = panel_trajectory(env, [scripted.call("calculator", {"expression": "1+1"})] * 3 + ["<answer>2</answer>"], "done")
     t.step_prompts = [[0] * n for n in (40, 60, 61, 61)]
     console = Console(file=StringIO(), width=100, color_system=None)
     chat.show(console, t, keep_turns=1)
@@ -125,8 +131,8 @@ def test_panels_escape_control_characters_and_show_markup_as_text(env):
     control characters are shown escaped), nor style the panels (rich markup in it is shown as written)."""
     evil = "\x1b[31mred\x1b[0m \x1b]0;title\x07 \r\x08\x9b2J\x00 [bold red]loud[/bold red]\ttab"
     t = panel_trajectory(env, [f"<think>{evil}</think>" + scripted.call("calculator", {"expression": "1+1"}) +
-                               scripted.call(f"[red]x[/red]{evil}", {}), f"<answer>{evil}</answer>"], "answer")
-    t.tool_calls[0].result = evil  # a tool's own output
+                               scripted.call(f"[red]x[/red]{evil}", {}), f"<answer>{evil}</answer>"], "done")
+    tool_message(t, 0)["content"] = evil  # a tool's own output
     out = render(t)
     assert not set(out) & {chr(c) for c in [*range(0x00, 0x09), *range(0x0b, 0x20), *range(0x7f, 0xa0)]}, repr(out)
     shown = r"\x1b[31mred\x1b[0m \x1b]0;title\x07 \x0d\x08\x9b2J\x00 [bold red]loud[/bold red]"
@@ -147,8 +153,8 @@ def test_panels_escape_bidi_controls(env):
     explicit = {chr(c) for c in range(0x10000) if unicodedata.bidirectional(chr(c)) in {"LRE", "RLE", "LRO", "RLO", "PDF", "LRI", "RLI", "FSI", "PDI"}}
     assert explicit < set(BIDI_CONTROLS)  # the list holds every embedding, override and isolate there is
     evil = "".join(f"{c}{i}" for i, c in enumerate(BIDI_CONTROLS))
-    t = panel_trajectory(env, [f"<think>{evil}</think>" + scripted.call("calculator", {"expression": "1+1"}), f"<answer>{evil}</answer>"], "answer")
-    t.tool_calls[0].result = evil
+    t = panel_trajectory(env, [f"<think>{evil}</think>" + scripted.call("calculator", {"expression": "1+1"}), f"<answer>{evil}</answer>"], "done")
+    tool_message(t, 0)["content"] = evil
     out = render(t)
     assert not set(out) & set(BIDI_CONTROLS), repr(out)
     shown = "".join(f"\\u{ord(c):04x}{i}" for i, c in enumerate(BIDI_CONTROLS))

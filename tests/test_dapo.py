@@ -13,7 +13,7 @@ from nanoagent.config import make_config
 
 SCORES = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.5, 0.2, 0.2])  # the trajectories' outcomes
 GROUPS = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
-FINISH = ["answer", "truncated", "answer", "context_budget", "max_turns", "answer", "truncated", "truncated"]
+FINISH = ["done", "truncated", "done", "context_budget", "max_turns", "done", "truncated", "truncated"]
 # a row per trajectory: two turns, an action token each; a process reward sits on the first turn's
 MASK, STEPS, OWNER = torch.tensor([[0.0, 1, 0, 1]] * 8), [[(n, 1, 2), (n, 3, 4)] for n in range(8)], torch.arange(8)
 NO_PROCESS = torch.zeros(8, 4)
@@ -26,7 +26,7 @@ def trajectories():
 def test_uniform_groups_are_dropped_with_grpo_by_default():
     keep, dropped = train.trained_rows(trajectories(), SCORES, NO_PROCESS, OWNER, GROUPS, make_config("tiny", ["algo=grpo"]))
     assert keep.tolist() == [0, 0, 1, 1, 1, 1, 0, 0]
-    assert dropped == {"dropped_uniform": 4, "dropped_overlong": 0}
+    assert dropped == {"dropped_uniform": 4, "dropped_overlong": 0, "dropped_env_error": 0}
 
 
 def test_overlong_trajectories_are_dropped_when_asked():
@@ -36,16 +36,27 @@ def test_overlong_trajectories_are_dropped_when_asked():
     cfg = make_config("tiny", ["algo=grpo", "train.overlong_filter=true"])
     keep, dropped = train.trained_rows(trajectories(), SCORES, NO_PROCESS, OWNER, GROUPS, cfg)
     assert keep.tolist() == [0, 0, 1, 0, 1, 1, 0, 0]
-    assert dropped == {"dropped_uniform": 4, "dropped_overlong": 1}
+    assert dropped == {"dropped_uniform": 4, "dropped_overlong": 1, "dropped_env_error": 0}
 
 
 def test_nothing_is_dropped_when_off_or_with_ppo():
     for overrides in (["algo=grpo", "grpo.drop_uniform_groups=false"], ["algo=ppo"]):
         keep, dropped = train.trained_rows(trajectories(), SCORES, NO_PROCESS, OWNER, GROUPS, make_config("tiny", overrides))
-        assert keep.tolist() == [1] * 8 and dropped == {"dropped_uniform": 0, "dropped_overlong": 0}, overrides
+        assert keep.tolist() == [1] * 8 and dropped == {"dropped_uniform": 0, "dropped_overlong": 0, "dropped_env_error": 0}, overrides
     cfg = make_config("tiny", ["algo=ppo", "train.overlong_filter=true"])
     keep, dropped = train.trained_rows(trajectories(), SCORES, NO_PROCESS, OWNER, GROUPS, cfg)
-    assert keep.tolist() == [1, 0, 1, 0, 1, 1, 0, 0] and dropped == {"dropped_uniform": 0, "dropped_overlong": 4}
+    assert keep.tolist() == [1, 0, 1, 0, 1, 1, 0, 0] and dropped == {"dropped_uniform": 0, "dropped_overlong": 4, "dropped_env_error": 0}
+
+
+def test_trajectories_whose_environment_failed_are_not_trained_on():
+    """env_error is left out whatever the algorithm and filters (its reward says nothing of the
+    policy), and counted once: as dropped_env_error only when its group is not dropped already."""
+    trajs = trajectories()
+    trajs[0].finish_reason = trajs[2].finish_reason = "env_error"  # in a uniform group, and in one with signal
+    keep, dropped = train.trained_rows(trajs, SCORES, NO_PROCESS, OWNER, GROUPS, make_config("tiny", ["algo=grpo"]))
+    assert keep.tolist() == [0, 0, 0, 1, 1, 1, 0, 0] and dropped == {"dropped_uniform": 4, "dropped_overlong": 0, "dropped_env_error": 1}
+    keep, dropped = train.trained_rows(trajs, SCORES, NO_PROCESS, OWNER, GROUPS, make_config("tiny", ["algo=ppo"]))
+    assert keep.tolist() == [0, 1, 0, 1, 1, 1, 1, 1] and dropped == {"dropped_uniform": 0, "dropped_overlong": 0, "dropped_env_error": 2}
 
 
 def test_a_group_is_dropped_exactly_when_its_advantages_are_all_zero():
@@ -58,7 +69,7 @@ def test_a_group_is_dropped_exactly_when_its_advantages_are_all_zero():
     process[4, 1] = process[6, 1] = process[7, 1] = 0.1  # groups 2 and 3; group 3's outcomes are equal
     cfg = make_config("tiny", ["algo=grpo", "train.tool_call_reward=0.1"])
     keep, dropped = train.trained_rows(trajectories(), SCORES, process, OWNER, GROUPS, cfg)
-    assert keep.tolist() == [0, 0, 1, 1, 1, 1, 1, 1] and dropped == {"dropped_uniform": 2, "dropped_overlong": 0}
+    assert keep.tolist() == [0, 0, 1, 1, 1, 1, 1, 1] and dropped == {"dropped_uniform": 2, "dropped_overlong": 0, "dropped_env_error": 0}
     advantages = rl.outcome_token_advantages(rl.grpo_advantages(SCORES, GROUPS), process, MASK, STEPS)  # [8, 4], a row per trajectory
     no_signal = [bool(advantages[GROUPS == g].eq(0).all()) for g in GROUPS.tolist()]
     assert no_signal == (keep == 0).tolist()

@@ -197,10 +197,12 @@ def test_prompts_fit_the_tiny_model(tiny_model_dir, tmp_path):
     """The synthetic prompts, with the search tool's schema rendered by the chat template, fit the tiny preset."""
     from transformers import AutoTokenizer
     from nanoagent.config import make_config
-    from nanoagent.tools import Tool, ToolEnv, search_tool
+    from nanoagent.env import tool_env
+    from nanoagent.tools import Tool, search_tool
     train, val, _ = make_split(seed=0, val_size=10)
-    env = ToolEnv([search_tool(retriever=None)], AutoTokenizer.from_pretrained(tiny_model_dir))
-    assert isinstance(env.tools["search"], Tool)
+    search = search_tool(retriever=None)
+    assert isinstance(search, Tool)
+    env = tool_env([search], AutoTokenizer.from_pretrained(tiny_model_dir))
     lengths = [len(env.prompt_ids(r["messages"])) for r in train[:50] + val]
     assert max(lengths) < make_config("tiny").data.max_prompt_tokens
     assert '"name": "search"' in env.render(train[0]["messages"], add_generation_prompt=True)

@@ -23,7 +23,8 @@ from nanoagent.engine import pad_token_id
 from nanoagent.model import (build_critic, build_policy, build_reference, collate, critic_forward, decoder_layers, load_causal_lm,
                              policy_forward, read_weights, shard, synced_micro_batches, training_config)
 from nanoagent.tasks import arithmetic
-from nanoagent.tools import ToolEnv, calculator_tool
+from nanoagent.env import tool_env
+from nanoagent.tools import calculator_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = torch.device("cpu")
@@ -90,7 +91,7 @@ def test_bf16_critic_forward_and_backward(process_group, tiny_model_dir):
 
 def update_batch(tokenizer, n=6, context="full"):
     """A batch as train.py builds it, from scripted arithmetic trajectories (no engine needed)."""
-    env = ToolEnv([calculator_tool()], tokenizer, context=context, keep_turns=1)
+    env = tool_env([calculator_tool()], tokenizer, context=context, keep_turns=1)
     rows = arithmetic.make_prompts(n, 0, "train")
     trajs = scripted_trajectories(env, rows, [arithmetic.demonstration(row, random.Random(i)) for i, row in enumerate(rows)])
     for i, t in enumerate(trajs):

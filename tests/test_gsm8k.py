@@ -11,7 +11,8 @@ from nanoagent.config import make_config
 from nanoagent.data import load_prompts
 from nanoagent.tasks import gsm8k, load_task
 from nanoagent.tasks.gsm8k import SYSTEM_PROMPT, demonstration, gsm8k_row, load_gsm8k, same_number, score
-from nanoagent.tools import ToolEnv, calculator_tool, parse_tool_calls
+from nanoagent.env import tool_env
+from nanoagent.tools import ToolRunner, calculator_tool, parse_tool_calls
 
 # Problems in GSM8K's format: the solution's <<expression=value>> annotations, then "#### answer".
 TRAIN = [
@@ -105,41 +106,41 @@ def call(expression):
     return "<tool_call>\n" + json.dumps({"name": "calculator", "arguments": {"expression": expression}}) + "\n</tool_call>"
 
 
-def trajectory(turns, finish="answer", gold="72"):
-    """A trajectory as the agent loop leaves it: the calls of every turn but the last run by the
-    calculator (errors included), the last turn's parsed only (a call in the last allowed turn does not run)."""
-    env = ToolEnv([calculator_tool()], tokenizer=None)
+def trajectory(turns, finish="done", gold="72"):
+    """A trajectory as the agent loop leaves it: the calls of every turn run by the calculator
+    (errors included), the results of every turn but the last read by the model."""
+    runner = ToolRunner([calculator_tool()])
     t = Trajectory(sample={"id": "q", "messages": PROMPT, "answers": [gold]}, prompt_ids=[1], messages=list(PROMPT))
     for k, text in enumerate(turns):
-        calls = parse_tool_calls(text)
+        calls = runner.run(parse_tool_calls(text))
         for c in calls:
             c.turn = k
         t.tool_calls += calls
         t.messages.append({"role": "assistant", "content": text})
         if k < len(turns) - 1:
-            t.messages += [{"role": "tool", "content": c.result} for c in env.execute(calls)]
+            t.messages += [{"role": "tool", "content": c.result} for c in calls]
     t.final_text, t.finish_reason = turns[-1], finish
     return t
 
 
 @pytest.mark.parametrize("turns, finish, require_think, accuracy, fmt, reward", [
-    ([call("48+24"), "<answer>72</answer>"], "answer", False, 1.0, 1.0, 1.0),            # right, in format
-    ([call("48+24"), "<answer>71</answer>"], "answer", False, 0.0, 1.0, 0.0),            # wrong, in format
-    ([call("48+24"), "<answer></answer>"], "answer", False, 0.0, 1.0, 0.0),              # empty: no better than wrong
-    (["<think>add</think>\n" + call("48+24"), "<think>so</think> <answer>72</answer>\n"], "answer", True, 1.0, 1.0, 1.0),
-    (["<answer>72</answer>"], "answer", False, 1.0, 0.5, -0.5),                         # right, but no tool call
-    ([call("48+/24"), "<answer>72</answer>"], "answer", False, 1.0, 0.5, -0.5),          # the call failed
-    (["I add. " + call("48+24"), "<answer>72</answer>"], "answer", False, 1.0, 0.5, -0.5),  # text outside the tags
-    ([call("48") + call("24"), "<answer>72</answer>"], "answer", False, 1.0, 0.5, -0.5),  # two calls in one turn
-    ([call("48+24"), "It is 72."], "answer", False, 0.0, 0.5, -0.5),                     # no <answer>
+    ([call("48+24"), "<answer>72</answer>"], "done", False, 1.0, 1.0, 1.0),            # right, in format
+    ([call("48+24"), "<answer>71</answer>"], "done", False, 0.0, 1.0, 0.0),            # wrong, in format
+    ([call("48+24"), "<answer></answer>"], "done", False, 0.0, 1.0, 0.0),              # empty: no better than wrong
+    (["<think>add</think>\n" + call("48+24"), "<think>so</think> <answer>72</answer>\n"], "done", True, 1.0, 1.0, 1.0),
+    (["<answer>72</answer>"], "done", False, 1.0, 0.5, -0.5),                         # right, but no tool call
+    ([call("48+/24"), "<answer>72</answer>"], "done", False, 1.0, 0.5, -0.5),          # the call failed
+    (["I add. " + call("48+24"), "<answer>72</answer>"], "done", False, 1.0, 0.5, -0.5),  # text outside the tags
+    ([call("48") + call("24"), "<answer>72</answer>"], "done", False, 1.0, 0.5, -0.5),  # two calls in one turn
+    ([call("48+24"), "It is 72."], "done", False, 0.0, 0.5, -0.5),                     # no <answer>
     ([call("48+24"), "<answer>72</answer>"], "truncated", False, 0.0, 0.5, -0.5),        # cut by the budget: no answer
     ([call("48+24"), call("72")], "max_turns", False, 0.0, 0.5, -0.5),                   # never answered
-    ([call("48/2"), call("48+24"), "<answer>72</answer>"], "answer", False, 1.0, 1.0, 1.0),  # capped at 1
+    ([call("48/2"), call("48+24"), "<answer>72</answer>"], "done", False, 1.0, 1.0, 1.0),  # capped at 1
     ([call("48/2"), call("48+24"), call("72")], "max_turns", False, 0.0, 1.0, 0.0),      # two good calls reach the cap
-    ([call("48/2"), call("48+24"), "So <answer>72</answer>."], "answer", False, 1.0, 1.0, 1.0),  # the cap forgives the last turn
-    ([call("48+24"), "<answer>72</answer>"], "answer", True, 1.0, 0.0, -1.0),            # no <think> where it is required
-    (["<think>add</think>" + call("48+24"), "<answer>72</answer>"], "answer", True, 1.0, 0.5, -0.5),
-    (["The answer is 72"], "answer", False, 0.0, 0.0, -1.0),
+    ([call("48/2"), call("48+24"), "So <answer>72</answer>."], "done", False, 1.0, 1.0, 1.0),  # the cap forgives the last turn
+    ([call("48+24"), "<answer>72</answer>"], "done", True, 1.0, 0.0, -1.0),            # no <think> where it is required
+    (["<think>add</think>" + call("48+24"), "<answer>72</answer>"], "done", True, 1.0, 0.5, -0.5),
+    (["The answer is 72"], "done", False, 0.0, 0.0, -1.0),
 ])
 def test_agent_r1_reward(turns, finish, require_think, accuracy, fmt, reward):
     t = trajectory(turns, finish)
@@ -166,7 +167,7 @@ def test_demonstration_calls_the_calculator_on_each_annotation():
     turns = demonstration(row, rng=None)
     assert turns == [call("48/2"), call("48+24"), "<answer>72</answer>"]  # the annotations the calculator refuses are left out
     calls = [c for t in turns[:-1] for c in parse_tool_calls(t)]
-    ToolEnv([calculator_tool()], tokenizer=None).execute(calls)
+    ToolRunner([calculator_tool()]).run(calls)
     assert [(c.result, c.error) for c in calls] == [("24", False), ("72", False)]  # what the annotations say
     plain = gsm8k_row(TRAIN[2], "train", 2, "here")
     assert demonstration(plain, rng=None) == ["<answer>0</answer>"]  # no annotations: answered directly
@@ -179,9 +180,9 @@ def test_demonstrations_run_in_the_environment_and_earn_the_reward(gsm8k_dir):
     from nanoagent.tiny import build_tokenizer  # here: it imports torch and transformers, which only this test needs
     task = load_task("gsm8k")
     rows = load_gsm8k("train", str(gsm8k_dir)) + load_gsm8k("val", str(gsm8k_dir))
-    env = ToolEnv(task.tools(None), build_tokenizer())
+    env = tool_env(task.tools(None), build_tokenizer())
     trajs = scripted_trajectories(env, rows, [task.demonstration(r, None) for r in rows])
     cfg = make_config(overrides=["data.task=gsm8k"])
     assert [task.score(t, cfg) for t in trajs] == [1.0, 1.0, -0.5, 1.0, 1.0, 1.0, 1.0]
-    assert all(t.finish_reason == "answer" and not any(c.error for c in t.tool_calls) for t in trajs)
+    assert all(t.finish_reason == "done" and not any(c.error for c in t.tool_calls) for t in trajs)
     assert [c.result for c in trajs[0].tool_calls] == ["24", "72"] and [c.result for c in trajs[1].tool_calls] == ["1200"]

@@ -29,11 +29,11 @@ rank = dist.get_rank()
 for case in json.loads(sys.argv[1]):
     trained = case[rank]
     t = Trajectory(sample={"id": str(rank)}, prompt_ids=[1, 2], messages=[], response_ids=[3, 4], action_mask=[1, 1],
-                   rollout_logprobs=[-1.0, -2.0], turn_spans=[(0, 2)], finish_reason="answer")
+                   rollout_logprobs=[-1.0, -2.0], turn_spans=[(0, 2)], finish_reason="done")
     mask = torch.tensor([[0.0, 0.0, 1.0, 1.0]]) * trained
     batch = {"action_mask": mask, "rollout_logprobs": torch.tensor([[0.0, 0.0, -1.0, -2.0]]), "lengths": [4],
              "nucleus_logprobs": torch.tensor([[0.0, 0.0, -1.0 - 0.1 * (rank + 1), -2.0]]) * mask}
-    metrics = step_metrics(0, [t], {"dropped_uniform": 1 - trained, "dropped_overlong": 0}, batch, [], [], None, [0.0, 1.0, 2.0, 3.0, 4.0])
+    metrics = step_metrics(0, [t], {"dropped_uniform": 1 - trained, "dropped_overlong": 0, "dropped_env_error": 0}, batch, [], [], None, [0.0, 1.0, 2.0, 3.0, 4.0])
     if rank == 0:
         print(json.dumps(metrics))
 dist.destroy_process_group()

@@ -6,7 +6,8 @@ from transformers import AutoTokenizer
 from nanoagent.agent import run_agent
 from nanoagent.engine import HFEngine, SamplingConfig, stop_token_ids
 from nanoagent.model import Critic, critic_forward, load_causal_lm, micro_batches, pad_rows, policy_forward
-from nanoagent.tools import ToolEnv, calculator_tool
+from nanoagent.env import tool_env
+from nanoagent.tools import calculator_tool
 
 
 def test_micro_batches_cover_every_row_within_the_budget():
@@ -22,7 +23,7 @@ def test_micro_batches_cover_every_row_within_the_budget():
 
 def test_policy_forward_is_aligned_padding_invariant_and_matches_rollout(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    env = ToolEnv([calculator_tool()], tok)
+    env = tool_env([calculator_tool()], tok)
     engine = HFEngine(tiny_model_dir, stop_token_ids(tok), tok.pad_token_id, dtype="float32", seed=1)
     samples = [{"id": i, "messages": [{"role": "user", "content": "What is " + "1+" * i + "1?"}]} for i in range(4)]
     trajs = run_agent(engine, env, samples, SamplingConfig(max_new_tokens=12, temperature=0.8), max_turns=2, max_context_tokens=512)

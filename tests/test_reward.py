@@ -59,7 +59,7 @@ def test_tags_well_formed():
         assert not tags_well_formed(bad), bad
 
 
-def trajectory(turns, calls=(), finish="answer", answers=("Lisbon",)):
+def trajectory(turns, calls=(), finish="done", answers=("Lisbon",)):
     """A trajectory as run_agent leaves it: assistant turns (and tool turns) after the prompt."""
     t = Trajectory(sample={"id": "q", "messages": PROMPT, "answers": list(answers)}, prompt_ids=[1], messages=list(PROMPT))
     for k, text in enumerate(turns):
@@ -75,16 +75,16 @@ SEARCH = '<tool_call>\n{"name": "search", "arguments": {"query": "Ada"}}\n</tool
 
 
 @pytest.mark.parametrize("turns, calls, finish, ok", [
-    ([SEARCH, "<answer>Lisbon</answer>"], [ToolCall("search", {"query": "Ada"})], "answer", 1.0),
-    (["<think>look up</think>" + SEARCH, "<think>found</think><answer>Lisbon</answer>"], [ToolCall("search", {"query": "Ada"})], "answer", 1.0),
-    (["<answer>Lisbon</answer>"], [], "answer", 1.0),
-    ([SEARCH, "<answer>Lisbon</answer>"], [ToolCall(None, None, "Error: malformed tool call", True)], "answer", 0.0),
-    ([SEARCH, "<answer>Lisbon</answer>"], [ToolCall("weather", {}, "Error: unknown tool", True)], "answer", 0.0),
-    (["<answer>Porto</answer>" + SEARCH, "<answer>Lisbon</answer>"], [ToolCall("search", {"query": "Ada"})], "answer", 0.0),
-    (["<answer>Lisbon</answer><answer>Porto</answer>"], [], "answer", 0.0),
-    (["<answer></answer>"], [], "answer", 0.0),
-    (["Lisbon"], [], "answer", 0.0),
-    (["<think>unclosed <answer>Lisbon</answer>"], [], "answer", 0.0),
+    ([SEARCH, "<answer>Lisbon</answer>"], [ToolCall("search", {"query": "Ada"})], "done", 1.0),
+    (["<think>look up</think>" + SEARCH, "<think>found</think><answer>Lisbon</answer>"], [ToolCall("search", {"query": "Ada"})], "done", 1.0),
+    (["<answer>Lisbon</answer>"], [], "done", 1.0),
+    ([SEARCH, "<answer>Lisbon</answer>"], [ToolCall(None, None, "Error: malformed tool call", True)], "done", 0.0),
+    ([SEARCH, "<answer>Lisbon</answer>"], [ToolCall("weather", {}, "Error: unknown tool", True)], "done", 0.0),
+    (["<answer>Porto</answer>" + SEARCH, "<answer>Lisbon</answer>"], [ToolCall("search", {"query": "Ada"})], "done", 0.0),
+    (["<answer>Lisbon</answer><answer>Porto</answer>"], [], "done", 0.0),
+    (["<answer></answer>"], [], "done", 0.0),
+    (["Lisbon"], [], "done", 0.0),
+    (["<think>unclosed <answer>Lisbon</answer>"], [], "done", 0.0),
     ([SEARCH, SEARCH], [ToolCall("search", {"query": "Ada"})] * 2, "max_turns", 0.0),
     (["<answer>Lisb"], [], "truncated", 0.0),
 ])

@@ -21,22 +21,28 @@ from nanoagent.engine import HFEngine, SamplingConfig, VLLMEngine, stop_token_id
 from nanoagent.model import collate, load_causal_lm, policy_forward
 from nanoagent.retriever import InMemoryRetriever, load_encoder, packaged_minilm_path
 from nanoagent.reward import score_trajectory
-from nanoagent.tools import TOOL_RESULT_MARKER, Tool, ToolEnv, calculator_tool, make_tools, search_tool
+from nanoagent.env import TEXT_MARKER, ChatEnv, tool_env
+from nanoagent.tools import Tool, calculator_tool, make_tools, search_tool
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_CONTEXT = 2048
 GREEDY = SamplingConfig(max_new_tokens=48, greedy=True)
+TIMEOUT_S = 5  # a limit far beyond what calculator and search need (ms), even on a busy machine; the 30 s sleep always outlasts it
 
 
 @pytest.fixture(scope="module")
-def env(tiny_model_dir):
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+def tools():
+    """The scripts' tools, by name."""
     slow = Tool("sleep", "Sleep for a while.", {"type": "object", "properties": {"seconds": {"type": "number"}}, "required": ["seconds"]},
                 lambda a: (time.sleep(a["seconds"]), "done")[1])
     retriever = InMemoryRetriever(scripted.CORPUS, load_encoder(packaged_minilm_path(), device="cpu"))
-    # a limit far beyond what calculator and search need (ms), even on a busy machine; the 30 s sleep always outlasts it
-    return ToolEnv([calculator_tool(), slow, search_tool(retriever, top_k=1)], tok, max_obs_tokens=64, timeout_s=5)
+    return {t.name: t for t in [calculator_tool(), slow, search_tool(retriever, top_k=1)]}
+
+
+@pytest.fixture(scope="module")
+def env(tiny_model_dir, tools):
+    return tool_env(list(tools.values()), AutoTokenizer.from_pretrained(tiny_model_dir), max_obs_tokens=64, timeout_s=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -74,16 +80,18 @@ def greedy_trajs(engine, env):
 def test_tool_errors_and_finish_reasons(greedy_trajs, engine, env):
     t = greedy_trajs
     assert [(c.name, c.result) for c in t["Compute 12*7."].tool_calls] == [("calculator", "84")]
-    assert t["Compute 12*7."].final_text == "<answer>84</answer>" and t["Compute 12*7."].finish_reason == "answer"
+    assert t["Compute 12*7."].final_text == "<answer>84</answer>" and t["Compute 12*7."].finish_reason == "done"
     assert "invalid JSON" in t["Send broken json."].tool_calls[0].result
     assert "unknown tool 'weather'" in t["Ask the weather."].tool_calls[0].result
     assert "bad arguments for calculator" in t["Use wrong arguments."].tool_calls[0].result
     assert "timed out" in t["Wait a long time."].tool_calls[0].result
     assert t["Who founded Nanotown?"].tool_calls[0].result.startswith("Doc 1 (Title: Nanotown)")
     for q in ["Send broken json.", "Ask the weather.", "Use wrong arguments.", "Wait a long time.", "Who founded Nanotown?"]:
-        assert t[q].finish_reason == "answer" and len(t[q].turn_spans) == 2, q  # the model read the error and went on
+        assert t[q].finish_reason == "done" and len(t[q].turn_spans) == 2, q  # the model read the error and went on
     assert t["Keep calculating."].finish_reason == "max_turns" and len(t["Keep calculating."].turn_spans) == 4
-    assert t["Say hi."].finish_reason == "answer" and t["Say hi."].tool_calls == []
+    # the last allowed turn's call runs too (its environment steps), but the model never reads its result
+    assert [c.result for c in t["Keep calculating."].tool_calls] == ["2"] * 4 and t["Keep calculating."].messages[-1]["role"] == "assistant"
+    assert t["Say hi."].finish_reason == "done" and t["Say hi."].tool_calls == []
     # the context budget ends a trajectory whose next observation would not fit
     [short] = run_agent(engine, env, [samples()[5]], GREEDY, max_turns=6, max_context_tokens=len(t["Keep calculating."].prompt_ids) + 100)
     assert short.finish_reason == "context_budget" and len(short) < len(short.prompt_ids) + 100
@@ -121,7 +129,7 @@ def check_token_exact(traj, env):
         text = tok.decode(seg, skip_special_tokens=False)
         assert text.startswith("<|im_end|>\n<|im_start|>user\n<tool_response>\n") or text.startswith("\n<|im_start|>user\n")
         assert text.endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n")
-        template = (text[:text.index("\n<tool_response>\n")] + "".join(f"\n<tool_response>\n{TOOL_RESULT_MARKER}\n</tool_response>" for _ in results)
+        template = (text[:text.index("\n<tool_response>\n")] + "".join(f"\n<tool_response>\n{TEXT_MARKER}\n</tool_response>" for _ in results)
                     + "<|im_end|>\n<|im_start|>assistant\n")
         assert seg == env.encode_rendered(template, results)
         if not any(special in r for r in results for special in specials):
@@ -176,7 +184,8 @@ def test_engine_logprobs_match_transformers(engine, env, scripted_dir):
 
 
 def last_k_env(env, keep_turns):
-    return ToolEnv(list(env.tools.values()), env.tokenizer, env.max_obs_tokens, env.timeout_s, context="last_k", keep_turns=keep_turns)
+    """The same environments (the same tools, run by the same runner) with a context per step."""
+    return ChatEnv(env.make, env.tokenizer, env.schemas, env.max_obs_tokens, context="last_k", keep_turns=keep_turns)
 
 
 def visible_turns(traj, turn, keep_turns):
@@ -277,19 +286,19 @@ def test_hf_fallback_engine_gives_the_same_trajectories(greedy_trajs, env, scrip
         assert (torch.tensor(traj.rollout_logprobs) - torch.tensor(ref.rollout_logprobs))[mask].abs().max() <= 1e-4
 
 
-def test_multi_turn_search_over_a_built_index(engine, env, index_dir):
+def test_multi_turn_search_over_a_built_index(engine, env, tools, index_dir):
     """The memorised model searches the on-disk index (IndexRetriever: FAISS file, memmapped
     document store), reads the result in the next turn and answers: the same trajectory as with
     the in-memory retriever it was trained against, scored by the task's reward."""
     search = make_tools(["search"], index_dir, top_k=1)[0]
-    disk = ToolEnv([env.tools["calculator"], env.tools["sleep"], search], env.tokenizer, env.max_obs_tokens, env.timeout_s)
+    disk = tool_env([tools["calculator"], tools["sleep"], search], env.tokenizer, env.max_obs_tokens, TIMEOUT_S)
     sample = {"id": "q", "messages": scripted.user("Who founded Nanotown?"), "answers": ["Ada Quill"]}
     [t] = run_agent(engine, disk, [sample], GREEDY, max_turns=4, max_context_tokens=MAX_CONTEXT)
     [ref] = run_agent(engine, env, [sample], GREEDY, max_turns=4, max_context_tokens=MAX_CONTEXT)
     [call] = t.tool_calls
     assert call.name == "search" and not call.error
     assert call.result == "Doc 1 (Title: Nanotown) Nanotown is a river city founded by Ada Quill in 1802."
-    assert t.finish_reason == "answer" and len(t.turn_spans) == 2 and t.response_ids == ref.response_ids
+    assert t.finish_reason == "done" and len(t.turn_spans) == 2 and t.response_ids == ref.response_ids
     check_token_exact(t, disk)
     assert score_trajectory(t) == 1.0 and t.scores == {"em": 1.0, "substring_em": 1.0, "f1": 1.0, "format": 1.0}
 
@@ -314,9 +323,9 @@ def test_rollout_cli_writes_trajectories_and_metrics(scripted_dir, index_dir, tm
     assert [r["id"] for r in rows] == ["Compute 12*7.", "Say hi.", "Who founded Nanotown?"]
     for r in rows:
         assert len(r["response_ids"]) == len(r["action_mask"]) == len(r["rollout_logprobs"])
-        assert r["finish_reason"] in ("answer", "truncated", "context_budget", "max_turns") and set(r["scores"]) == {"em", "substring_em", "f1", "format"}
+        assert r["finish_reason"] in ("done", "truncated", "context_budget", "max_turns") and set(r["scores"]) == {"em", "substring_em", "f1", "format"}
         assert r["reward"] == r["scores"]["em"] + 0.5 * r["scores"]["format"]
-    assert "em " in proc.stdout and "format " in proc.stdout and "finish/answer" in proc.stdout and "action_tokens_per_s" in proc.stdout
+    assert "em " in proc.stdout and "format " in proc.stdout and "finish/done" in proc.stdout and "action_tokens_per_s" in proc.stdout
     assert proc_last_k.returncode == 0, proc_last_k.stderr[-3000:]
     last_k = [json.loads(line) for line in out_last_k.read_text().splitlines()]
     assert [r["scores"] for r in last_k] == [r["scores"] for r in rows]  # two turns at most: K=1 leaves nothing out
@@ -336,7 +345,7 @@ def test_seeded_sampling_of_a_batch_longer_than_one_step(engine):
     assert all(len(g.token_ids) >= 1 for g in first)
 
 
-def with_latency(env, delay):
+def with_latency(env, tools, delay):
     """The same tools, the i-th call (counted over all tools) answering after delay(i) seconds."""
     calls = itertools.count()
 
@@ -345,10 +354,10 @@ def with_latency(env, delay):
             time.sleep(delay(next(calls)))
             return tool.call(arguments)
         return Tool(tool.name, tool.description, tool.parameters, call)
-    return ToolEnv([slowed(t) for t in env.tools.values()], env.tokenizer, env.max_obs_tokens, env.timeout_s)
+    return tool_env([slowed(t) for t in tools.values()], env.tokenizer, env.max_obs_tokens, TIMEOUT_S)
 
 
-def test_trajectories_do_not_depend_on_when_tools_answer(engine, env, monkeypatch):
+def test_trajectories_do_not_depend_on_when_tools_answer(engine, env, tools, monkeypatch):
     """Each trajectory is scheduled on its own and samples turn k with a seed of its own: the same
     batch rolled out twice, with tools that answer at once and with the first call held back a
     second (so the engine runs the turns in other orders and batches: its trajectory's next turn
@@ -360,7 +369,7 @@ def test_trajectories_do_not_depend_on_when_tools_answer(engine, env, monkeypatc
     runs = []
     for delay in (lambda i: 0.0, lambda i: 1.0 if i == 0 else 0.0):
         orders.append([])
-        runs.append(run_agent(engine, with_latency(env, delay), batch, SamplingConfig(max_new_tokens=48, temperature=1.0),
+        runs.append(run_agent(engine, with_latency(env, tools, delay), batch, SamplingConfig(max_new_tokens=48, temperature=1.0),
                               max_turns=4, max_context_tokens=MAX_CONTEXT, seed=11))
     assert sum(len(t.turn_spans) for t in runs[0]) > len(batch) + 1  # tools were called, more than once
     assert orders[0] != orders[1] and sorted(orders[0]) == sorted(orders[1])  # other schedules, the same requests
@@ -408,7 +417,7 @@ def test_trajectories_are_token_exact_under_qwens_vocabulary(tagging_qwen_dir, m
     # No tools: the calls' bodies are random tokens, so every call is malformed whatever the tools, and
     # without their schemas the rows are short and the trainer's forward over 151,936 logits cheap.
     # No system message either: Qwen's template puts in its default one.
-    env = ToolEnv([], tok, max_obs_tokens=64)
+    env = tool_env([], tok, max_obs_tokens=64)
     stop = stop_token_ids(tok)
     assert stop == sorted(tok.convert_tokens_to_ids(["<|im_end|>", "</tool_call>"]))
     engine = VLLMEngine(tagging_qwen_dir, stop, MAX_CONTEXT, dtype="float32", seed=0)

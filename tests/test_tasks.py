@@ -54,11 +54,11 @@ def demonstration(row, rng):
 
 
 def test_builtin_tasks_define_the_interface():
-    assert task_names() == ["arithmetic", "gsm8k", "hotpotqa", "synthetic"]
+    assert task_names() == ["arithmetic", "gsm8k", "hotpotqa", "synthetic", "textworld"]
     for name in task_names():
         task = load_task(name)
         assert isinstance(task.SYSTEM_PROMPT, str) and "{}" in task.QUESTION
-        assert callable(task.tools) and callable(task.prompts) and callable(task.score)
+        assert callable(task.tools or task.environment) and callable(task.prompts) and callable(task.score)
     assert load_task("arithmetic").prepare is None and load_task("hotpotqa").demonstration is None
 
 
@@ -68,7 +68,7 @@ def test_tasks_are_found_by_name_or_path_and_refused_clearly(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_task(str(tmp_path / "missing.py"))
     (tmp_path / "half.py").write_text("SYSTEM_PROMPT = ''\nQUESTION = '{}'\n")
-    with pytest.raises(ValueError, match="does not define tools, prompts, score, demonstration, prepare"):
+    with pytest.raises(ValueError, match="does not define prompts, score, demonstration, prepare, tools or environment"):
         load_task(str(tmp_path / "half.py"))
     with pytest.raises(ConfigError, match="data.task='nosuch': not a task; valid: arithmetic, gsm8k, hotpotqa, synthetic"):
         make_config("tiny", ["data.task=nosuch"])

@@ -21,12 +21,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from nanoagent.agent import scripted_trajectories
 from nanoagent.data import write_prompts
+from nanoagent.env import tool_env
 from nanoagent.model import pad_rows
 from nanoagent.tasks.synthetic import make_split, make_world, passages, scrambled_dialogues, scrambled_world
 from nanoagent.tiny import (IM_END, IM_START, PRETOKENIZE, QWEN_PLAIN_ADDED_TOKENS, QWEN_SPECIAL_TOKENS, QWEN_VOCAB_SIZE,
                             TEXT_VOCAB_SIZE, TOOL_TAGS, build_tiny_model, build_tokenizer, ensure_tiny_model, pretrain,
                             pretraining_loss, pretraining_rows, task_texts)
-from nanoagent.tools import ToolEnv, format_passages, search_tool
+from nanoagent.tools import format_passages, search_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -306,7 +307,7 @@ def test_pretraining_conversations_are_the_tokens_the_agent_loop_builds(tmp_path
     dialogues = scrambled_dialogues(world, copies=1, per_copy=20)
     (tmp_path / "dialogues.jsonl").write_text("".join(json.dumps(d) + "\n" for d in dialogues))
     rows = pretraining_rows(str(tmp_path / "dialogues.jsonl"), tiny_tok)
-    env = ToolEnv([search_tool(TitleLookup(passages(scrambled_world(world, 0))), top_k=1)], tiny_tok)  # the first copy's world
+    env = tool_env([search_tool(TitleLookup(passages(scrambled_world(world, 0))), top_k=1)], tiny_tok)  # the first copy's world
     newline = tiny_tok.encode("\n")
     for d, (ids, mask) in zip(dialogues, rows):
         [traj] = scripted_trajectories(env, [{"messages": d["messages"][:2]}], [[m["content"] for m in d["messages"] if m["role"] == "assistant"]])

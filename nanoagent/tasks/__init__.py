@@ -6,7 +6,10 @@ else about it. A task module defines:
 
     SYSTEM_PROMPT              the system turn its prompts carry (chat.py starts conversations with it)
     QUESTION                   how a user's question is worded in its prompts, e.g. "Question: {}"
-    tools(cfg)                 -> [Tool]: the tools the agent may call (nanoagent/tools.py)
+    tools(cfg)                 -> [Tool]: the tools the agent may call (nanoagent/tools.py); or, for a
+                                  task that is not tool calls (a game, a simulator, a shell),
+    environment(cfg)           -> a function that makes one environment per trajectory: an object with
+                                  reset(row) and step(action) (nanoagent/env.py says what they return)
     prompts(cfg, split)        -> rows for split "train" or "val": dicts with "id", "messages"
                                   (system + user, chat format) and "answers"; made on the spot or
                                   read from the files prepare() wrote (nanoagent/data.py: load_prompts)
@@ -18,7 +21,8 @@ else about it. A task module defines:
                                OUT/val.parquet (and anything else the task reads, e.g. a corpus)
 
 Copy the task closest to yours (arithmetic.py: prompts made on the spot, one tool; hotpotqa.py:
-prompt files and a search index), change it, and pass data.task=<its name or path>.
+prompt files and a search index; textworld.py: an environment of its own, text games), change it,
+and pass data.task=<its name or path>.
 """
 
 import importlib
@@ -26,6 +30,7 @@ import importlib.util
 import os
 
 from nanoagent.config import task_names
+from nanoagent.env import ChatEnv, tool_env
 
 
 def load_task(name):
@@ -40,7 +45,18 @@ def load_task(name):
         task = importlib.import_module(f"nanoagent.tasks.{name}")
     else:
         raise ValueError(f"unknown task {name!r}; tasks: {', '.join(task_names())}, or a path to a task file (.py)")
-    missing = [attr for attr in ("SYSTEM_PROMPT", "QUESTION", "tools", "prompts", "score", "demonstration", "prepare") if not hasattr(task, attr)]
+    missing = [attr for attr in ("SYSTEM_PROMPT", "QUESTION", "prompts", "score", "demonstration", "prepare") if not hasattr(task, attr)]
+    if getattr(task, "tools", None) is None and getattr(task, "environment", None) is None:
+        missing.append("tools or environment")
     if missing:
         raise ValueError(f"task {name!r} does not define {', '.join(missing)} (nanoagent/tasks/__init__.py says what a task defines)")
     return task
+
+
+def task_env(task, cfg, tokenizer, tools=None):
+    """The ChatEnv of a task under cfg.rollout: one of the task's environments per trajectory, or
+    tool calling over its tools (or over `tools`, when given: rollout.py's and chat.py's --tools)."""
+    r = cfg.rollout
+    if tools is None and getattr(task, "environment", None) is not None:
+        return ChatEnv(task.environment(cfg), tokenizer, (), r.max_obs_tokens, r.context, r.keep_turns)
+    return tool_env(task.tools(cfg) if tools is None else tools, tokenizer, r.max_obs_tokens, r.tool_timeout_s, r.context, r.keep_turns)

@@ -153,14 +153,14 @@ def format_score(traj, require_think=False):
         calls = [c for c in traj.tool_calls if c.turn == k]
         if turn_kind(text, require_think) == "tool_call" and len(calls) == 1 and not calls[0].error:
             score += 0.5
-    if turns and traj.finish_reason == "answer" and turn_kind(turns[-1], require_think) == "answer":
+    if turns and traj.finish_reason == "done" and turn_kind(turns[-1], require_think) == "answer":
         score += 0.5
     return min(score, 1.0)
 
 
 def score(traj, cfg):
     """traj.scores = {accuracy, format}; traj.reward = accuracy if the format is full, else format - 1."""
-    answer = extract_answer(traj.final_text) if traj.finish_reason == "answer" else None
+    answer = extract_answer(traj.final_text) if traj.finish_reason == "done" else None
     accuracy = float(answer is not None and same_number(answer, traj.sample["answers"][0]))
     fmt = format_score(traj, cfg.reward.require_think)
     traj.scores = {"accuracy": accuracy, "format": fmt}

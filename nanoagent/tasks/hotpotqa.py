@@ -5,7 +5,7 @@ One prompt row per question: `id`, `question`, `messages` (system + user), `answ
 answers), `type` and `level` (HotpotQA's: bridge/comparison, easy/medium/hard), and `evidence`
 (the titles of the passages that hold the answer, in HotpotQA's supporting-fact order; used to
 measure retrieval, never shown to the agent). The prompt holds messages only: the `search` tool's
-schema is rendered into the system turn by the chat template at rollout time (ToolEnv), so the
+schema is rendered into the system turn by the chat template at rollout time (env.ChatEnv), so the
 same file serves any model and any tool description.
 
 prepare() reads HotpotQA from the hub through the datasets library, or from a folder with the

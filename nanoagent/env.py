@@ -1,0 +1,257 @@
+"""
+Environments: what an agent acts in, turn by turn, and how what it reads becomes tokens.
+
+An environment is made per trajectory and needs no base class, only two methods (Agent-R1's
+AgentEnv, gym's reset/step):
+
+    reset(row)   -> messages: the conversation the trajectory starts from, chat format (the system
+                    prompt and the task as the model first reads it; a tool task: row["messages"])
+    step(action) -> (observation, reward, done, info), after the assistant turn whose text is
+                    `action` (decoded, stop tag included, EOS not):
+        observation  what the model reads next: a list of chat messages (a tool task: one "tool"
+                     message per call), or a string (one "user" message); not read when done
+        reward       a float for this step, put on the last token of the turn (like a process
+                     reward); the task's score gives the outcome
+        done         True when the episode is over (a tool task: the model answered without a call)
+        info         a dict; its "tool_calls" are kept on the trajectory (reward.py, metrics)
+
+Tool calling is one such environment (tools.ToolCalling, made by tool_env below), a game another
+(tasks/textworld.py); the agent loop (agent.py) drives them all the same way. A step runs in a
+thread of its own while the engine keeps decoding other trajectories (ChatEnv.start). A step that
+raises, or returns something that is not the above (a NaN reward, say), ends its own trajectory
+("env_error", with the reason) and no other.
+
+ChatEnv is the side that is the same for every environment: it makes one per trajectory, runs
+their steps, and turns conversations into token ids with the tokenizer's chat template:
+observations as the suffix the template adds after the assistant's content (observation_ids), or
+with context=last_k each turn's prompt rendered afresh (step_prompt_ids), each observation cut to a
+token budget (truncate).
+
+Environment text is text, never conversation structure: a search result or a game's text holding
+"<|im_end|>" must not close its turn for the model. So the template is rendered with a marker in
+place of the content of every message that is not the system's or the assistant's, and the ids
+are assembled as the tokenizer would make them (it cuts text at special tokens and encodes each
+stretch between them on its own), except that special-token strings inside that content stay
+ordinary text (encode_rendered). Everything that encodes such text goes through it: prompts,
+observations, and the budget count of truncation.
+"""
+
+import functools
+import math
+import re
+import threading
+from concurrent.futures import Future
+
+from nanoagent.tools import ToolCalling, ToolRunner
+
+TRUNCATION_MARK = "\n[truncated]"
+TEXT_MARKER = "\x00environment text\x00"  # rendered in place of environment text, then split on (encode_rendered)
+TEXT_ROLES = ("system", "assistant")      # the roles whose content is rendered as is; every other role's is text
+
+
+class ChatEnv:
+    """
+    Environments for a task's trajectories (make: () -> a new environment), their steps in the
+    background (start), and the conversations rendered as ids under one tokenizer and chat template.
+    schemas: the tools the template lists in the system turn (a tool task's; none for a game).
+    context: what a turn sees, the whole trajectory ("full") or the prompt and the last keep_turns
+    turns ("last_k"); max_obs_tokens: the budget of each observation message.
+    """
+
+    def __init__(self, make, tokenizer, schemas=(), max_obs_tokens=512, context="full", keep_turns=2):
+        if context not in ("full", "last_k") or keep_turns < 1:
+            raise ValueError(f"context={context!r}, keep_turns={keep_turns}: context is full or last_k, keep_turns >= 1")
+        self.make = make
+        self.tokenizer = tokenizer
+        self.schemas = list(schemas)
+        self.max_obs_tokens = max_obs_tokens
+        self.context = context
+        self.keep_turns = keep_turns
+        self.frames = {}  # role -> _frame(role)
+
+    def start(self, env, action):
+        """
+        env.step(action) in a daemon thread of its own (a step that never returns does not hold up the
+        process's exit). Returns a Future of the checked (observation messages, reward, done, info);
+        it raises StepError with the reason when the step raised (anything, BaseException included:
+        an environment that calls sys.exit() has failed) or returned something else.
+        """
+        future = Future()
+
+        def target():
+            try:
+                future.set_result(checked_step(env.step(action)))
+            except BaseException as e:
+                future.set_exception(StepError(f"{type(e).__name__}" + (f": {e}" if str(e) else "")))
+
+        threading.Thread(target=target, daemon=True).start()
+        return future
+
+    def truncate(self, text, role="tool"):
+        """
+        Cut an observation so that it costs at most max_obs_tokens tokens in its place in the
+        conversation (a message of `role`), the truncation mark included (observation_tokens). The
+        cut falls where one of the text's tokens begins, which is always between two characters
+        (the tokens of a character made of several share its start), so no character is split and
+        no U+FFFD appears. One encode of the text with offsets finds those places; the longest
+        prefix that fits is found by trying them from about the budget down, a few encodes of about
+        the budget's length.
+        """
+        if self.observation_tokens(text, role) <= self.max_obs_tokens:
+            return text
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=True)
+        starts = sorted({s for s, _ in enc["offset_mapping"] if 0 < s < len(text)})
+        for n in reversed(starts[:self.max_obs_tokens]):  # text[:starts[k]] holds about k + 1 tokens
+            if self.observation_tokens(text[:n] + TRUNCATION_MARK, role) <= self.max_obs_tokens:
+                return text[:n] + TRUNCATION_MARK
+        return TRUNCATION_MARK if self.observation_tokens(TRUNCATION_MARK, role) <= self.max_obs_tokens else ""
+
+    def observation_tokens(self, text, role="tool"):
+        """
+        The tokens `text` adds to a conversation as the content of a message of `role`: the chat
+        template's text around such a message, encoded with it minus without it. The text alone
+        would be miscounted, since merges span its edges (".\\n" is one Qwen token, the "\\n" being
+        the template's).
+        """
+        framed, alone = self._frame(role)
+        return len(self.encode_rendered(framed, [text])) - alone
+
+    def _frame(self, role):
+        """(a short conversation ending in one message of `role`, rendered with the marker in place
+        of its content; the number of tokens of that conversation without the content), once per role."""
+        if role in self.frames:
+            return self.frames[role]
+        framed = self.tokenizer.apply_chat_template([{"role": "user", "content": "?"}, {"role": "assistant", "content": "?"},
+                                                     {"role": role, "content": TEXT_MARKER}], tokenize=False,
+                                                    add_generation_prompt=True)
+        if framed.count(TEXT_MARKER) != 1:  # e.g. "?" of the user message, were it environment text: it is not marked here
+            raise ValueError(f"the chat template does not render a {role!r} message's content verbatim")
+        self.frames[role] = framed, len(self.encode_rendered(framed, [""]))
+        return self.frames[role]
+
+    @functools.cached_property
+    def _special_tokens(self):
+        """A regex of the tokenizer's special tokens, longest first (where two start at one place the
+        tokenizer takes the longer), in a group so that re.split keeps them."""
+        specials = sorted((t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special), key=len, reverse=True)
+        if not specials:
+            raise ValueError("the tokenizer has no special tokens; a chat template needs at least its end-of-turn token")
+        return re.compile("(" + "|".join(map(re.escape, specials)) + ")")
+
+    def encode_rendered(self, text, texts):
+        """
+        The ids of template text rendered with TEXT_MARKER in place of each of `texts`, those put back
+        as text. The tokenizer cuts a text at its special tokens and encodes each stretch in between
+        on its own; this does the same with the template's special tokens only, and encodes the
+        stretches with split_special_tokens, so a special token's string inside an environment text
+        becomes ordinary tokens. Without such strings the ids are exactly encode(text with the
+        texts), merges across their edges included.
+        """
+        pieces = text.split(TEXT_MARKER)
+        if len(pieces) != len(texts) + 1:
+            raise ValueError(f"the chat template rendered {len(pieces) - 1} of {len(texts)} messages verbatim; "
+                             "nanoagent needs a template that renders message content as it is")
+        stretches, specials = [""], []  # text between the template's special tokens, and those tokens
+        for k, piece in enumerate(pieces):
+            parts = self._special_tokens.split(piece)  # text, special, text, ..., text
+            stretches[-1] += parts[0]
+            for special, after in zip(parts[1::2], parts[2::2]):
+                specials.append(special)
+                stretches.append(after)
+            if k < len(texts):
+                stretches[-1] += texts[k]
+        encoded = self.tokenizer(stretches, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        ids = encoded[0]
+        for special, stretch in zip(specials, encoded[1:]):
+            ids = ids + [self.tokenizer.convert_tokens_to_ids(special)] + stretch
+        return ids
+
+    def render(self, messages, add_generation_prompt=False):
+        return self.tokenizer.apply_chat_template(messages, tools=self.schemas or None, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def prompt_ids(self, messages):
+        """The ids of a conversation and the next assistant header, environment text as text."""
+        text = self.render(marked(messages), add_generation_prompt=True)
+        return self.encode_rendered(text, [m["content"] for m in messages if m["role"] not in TEXT_ROLES])
+
+    def prompt_lengths(self, conversations):
+        """len(prompt_ids(m)) for many conversations, with one batched encode (a prompt file at once)
+        of those without a special token's string in their text, which encode_rendered would
+        encode the same."""
+        texts = [self.render(m, add_generation_prompt=True) for m in conversations]
+        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        return [len(self.prompt_ids(m)) if any(x["role"] not in TEXT_ROLES and self._special_tokens.search(x["content"]) for x in m)
+                else n for m, n in zip(conversations, lengths)]
+
+    def observation_ids(self, messages, content, observation, ended_with_eos=False):
+        """
+        The ids appended after an assistant turn whose text is `content` (the decoded action, stop
+        tag included, EOS excluded): the template's closing glue of that turn, the observation
+        messages, and the next assistant header. `messages` is the conversation before the
+        assistant turn. When the model sampled EOS itself, that token is already the start of the
+        closing glue. The observation's content is encoded as text (encode_rendered).
+        """
+        messages = marked(messages)
+        before = self.render(messages, add_generation_prompt=True)
+        with_turn = self.render(messages + [{"role": "assistant", "content": content}])
+        if not with_turn.startswith(before + content):
+            raise ValueError("the chat template does not render assistant content verbatim after the generation "
+                             "prompt; token-in/token-out trajectories need a template that does")
+        after = self.render(messages + [{"role": "assistant", "content": content}] + marked(observation), add_generation_prompt=True)
+        if not after.startswith(with_turn):
+            raise ValueError("the chat template re-renders earlier turns when observation messages are added")
+        text = with_turn[len(before + content):] + after[len(with_turn):]
+        if ended_with_eos:
+            if not text.startswith(self.tokenizer.eos_token):
+                raise ValueError("the chat template does not close an assistant turn with the EOS token")
+            text = text[len(self.tokenizer.eos_token):]
+        return self.encode_rendered(text, [m["content"] for m in observation])
+
+    def step_messages(self, messages, n_prompt):
+        """
+        What the next turn sees of a conversation under context=last_k: its first n_prompt messages
+        (the system prompt and the task) and its last keep_turns turns, a turn being an assistant
+        message with the observation that answered it. Older turns are left out whole.
+        """
+        starts = [i for i in range(n_prompt, len(messages)) if messages[i]["role"] == "assistant"]
+        first = starts[-self.keep_turns] if len(starts) > self.keep_turns else n_prompt
+        return messages[:n_prompt] + messages[first:]
+
+    def step_prompt_ids(self, messages, n_prompt):
+        """The prompt ids of the next turn under context=last_k, rendered afresh (step_messages)."""
+        return self.prompt_ids(self.step_messages(messages, n_prompt))
+
+
+class StepError(RuntimeError):
+    """An environment's step failed: its trajectory ends ("env_error") with this as the reason."""
+
+
+def checked_step(result):
+    """A step's (observation, reward, done, info) as the loop takes it: the observation as a list of
+    messages (a string is one user message), the reward a finite float. Anything else raises."""
+    if not isinstance(result, tuple) or len(result) != 4:
+        raise TypeError(f"step returned {type(result).__name__}, not (observation, reward, done, info)")
+    observation, reward, done, info = result
+    if isinstance(observation, str):
+        observation = [{"role": "user", "content": observation}]
+    if not isinstance(observation, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                    and isinstance(m.get("content"), str) for m in observation):
+        raise TypeError("step's observation is neither a string nor a list of {'role': str, 'content': str} messages")
+    if not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise ValueError(f"step's reward {reward!r} is not a finite number")
+    if not isinstance(info, dict):
+        raise TypeError(f"step's info is a {type(info).__name__}, not a dict")
+    return observation, float(reward), bool(done), info
+
+
+def marked(messages):
+    """The conversation with TEXT_MARKER in place of each environment text (see encode_rendered)."""
+    return [m if m["role"] in TEXT_ROLES else {**m, "content": TEXT_MARKER} for m in messages]
+
+
+def tool_env(tools, tokenizer, max_obs_tokens=512, timeout_s=10.0, context="full", keep_turns=2, workers=4, max_abandoned=8):
+    """The ChatEnv of a tool task: a ToolCalling environment per trajectory over one ToolRunner,
+    which runs the calls of every trajectory (batched where they wait together) under time limits."""
+    runner = ToolRunner(tools, timeout_s, workers, max_abandoned)
+    return ChatEnv(lambda: ToolCalling(runner), tokenizer, runner.schemas(), max_obs_tokens, context, keep_turns)

@@ -1,0 +1,166 @@
+"""
+TextWorld: an agent that plays text games, the engine under ALFWorld (Microsoft's TextWorld, games
+generated offline, played through jericho). A task whose environment is not tool calls: each
+trajectory plays one game (Game, an environment in env.py's sense), one command a turn.
+
+    python prepare_data.py --task=textworld --out=data/textworld --train-size=64 --val-size=32
+    torchrun --nproc_per_node=8 train.py --config=textworld    # GPU, Qwen2.5-1.5B-Instruct
+
+prepare() generates the games (TextWorld's custom generator, the "house" theme) into OUT/games and
+writes OUT/train.parquet and OUT/val.parquet, one row per game, with its first observation, its
+walkthrough and its split:
+- train: 3 rooms, at least 4 objects, quests of 3 actions (seeds 0..N-1 after the --seed offset);
+- val, "easy": the same settings, other seeds (games never trained on);
+- val, "hard": 5 rooms, 8 objects, quests of 5 actions.
+Every game tells its objective step by step ("First, unlock the portal. Then go east..."), as
+TextWorld's games do by default.
+
+Reward: the score the game gives for a step (its points, of max_score in all; these games give
+theirs when the quest is done), as a fraction of max_score, on that turn's last token; and the
+outcome, 1 for a game won, 0 otherwise. The scores logged are won, score (the fraction of
+max_score reached) and moves (commands sent), overall and per split (eval/easy/won, ...).
+
+The model writes one command per turn (the system prompt says how); the first non-empty line of
+its reply is sent, without a leading "> ". Whatever the game makes of it is the observation: a
+command it does not know is answered "That's not a verb I recognise." and costs a turn, like any
+other. Commands that would leave the game (quit, restart, restore, save, undo) are not sent; the
+observation says so. The turn budget (rollout.max_turns) ends a game that is not won in time.
+"""
+
+import os
+import re
+from concurrent.futures import ProcessPoolExecutor
+
+import textworld
+from textworld.generator import compile_game, make_game
+
+from nanoagent.data import load_prompts, write_prompts
+
+SYSTEM_PROMPT = ("You are playing a text adventure game. Each turn, reply with one command and nothing else, for example: "
+                 "open door, go east, take key from box, put apple on table. The game answers with what happened.")
+QUESTION = "{}"
+INFOS = textworld.EnvInfos(won=True, lost=True, score=True, max_score=True, moves=True, objective=True, policy_commands=True)
+SPLITS = {"easy": dict(rooms=3, objects=4, quest_length=3), "hard": dict(rooms=5, objects=8, quest_length=5)}
+LETTER = re.compile(r"[A-Za-z]")
+META_COMMANDS = {"quit", "q", "restart", "restore", "save", "undo", "script", "unscript"}
+tools = None
+
+
+def clean(feedback):
+    """The game's text without TextWorld's banner (lines of ASCII art: no letter in them), its
+    prompt and status lines ("> ... -= Kitchen =-0/3"), trailing spaces and runs of blank lines."""
+    lines = [line.rstrip() for line in feedback.split("\n") if not line.startswith(">") and (not line.strip() or LETTER.search(line))]
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+
+
+def command(action):
+    """The command in a reply: its first non-empty line, without a leading "> ", at most 200 characters."""
+    line = next((ln.strip() for ln in action.split("\n") if ln.strip()), "")
+    return line.removeprefix(">").strip()[:200]
+
+
+class Game:
+    """One game per trajectory: reset(row) starts the row's game, step(action) sends a command."""
+
+    def __init__(self, data_dir):
+        self.data_dir = data_dir
+        self.env = None
+
+    def reset(self, row):
+        self.env = textworld.start(game_path(row, self.data_dir), request_infos=INFOS)
+        state = self.env.reset()
+        self.score, self.max_score, self.won, self.moves = 0, max(state.max_score, 1), False, 0
+        return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": clean(state.feedback)}]
+
+    def step(self, action):
+        cmd = command(action)
+        if not cmd:
+            return "Write one command, for example: look.", 0.0, False, {}
+        if cmd.split()[0].lower() in META_COMMANDS:
+            return f"'{cmd}' is not available in this game.", 0.0, False, {}
+        state, score, done = self.env.step(cmd)
+        gained, self.score, self.won, self.moves = score - self.score, score, bool(state.won), self.moves + 1
+        if done:
+            self.env.close()
+        return clean(state.feedback), gained / self.max_score, done, {"score": score, "won": self.won}
+
+
+def game_path(row, data_dir):
+    """A row's game file: as written, or relative to the folder of the prompt files."""
+    path = row["game"] if os.path.isabs(row["game"]) else os.path.join(data_dir, row["game"])
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"game file {path!r} of {row.get('id')!r} does not exist (generate the games with prepare_data.py --task=textworld)")
+    return path
+
+
+def environment(cfg):
+    data_dir = os.path.dirname(os.path.abspath(cfg.data.val_path))
+    return lambda: Game(data_dir)
+
+
+def prompts(cfg, split):
+    rows = load_prompts(cfg.data.train_path if split == "train" else cfg.data.val_path, bad_prompts=cfg.data.bad_prompts)
+    data_dir = os.path.dirname(os.path.abspath(cfg.data.val_path))
+    for row in rows:
+        game_path(row, data_dir)  # a missing game is refused now, not mid-run
+    return rows
+
+
+def score(traj, cfg):
+    """Outcome 1 for a won game, else 0 (the score the game gave is in the step rewards)."""
+    game = traj.env
+    traj.scores = {"won": float(game.won), "score": game.score / game.max_score, "moves": float(game.moves)}
+    traj.reward = float(game.won)
+    return traj.reward
+
+
+def demonstration(row, rng):
+    """
+    The walkthrough, played by an imperfect demonstrator so that RL has room: before each step it
+    sends, one time in four, a command that does not advance the quest (look, inventory, a
+    direction), and one game in three it stops a step or two short of the end.
+    """
+    steps = list(row["walkthrough"])
+    if rng.random() < 1 / 3:
+        steps = steps[:-rng.randint(1, 2)]
+    script = []
+    for step in steps:
+        if rng.random() < 0.25:
+            script.append(rng.choice(["look", "inventory", "go north", "go south", "go east", "go west"]))
+        script.append(step)
+    return script
+
+
+def make_one(job):
+    """Generate and compile one game; returns its row (first observation, walkthrough) or raises."""
+    out, split, kind, index, seed = job
+    settings = SPLITS[kind]
+    options = textworld.GameOptions()
+    options.seeds = seed
+    options.nb_rooms, options.nb_objects, options.quest_length = settings["rooms"], settings["objects"], settings["quest_length"]
+    options.path = os.path.join(out, "games", f"{split}-{index:05d}.z8")
+    options.force_recompile = True
+    path = compile_game(make_game(options), options)
+    env = textworld.start(path, request_infos=INFOS)
+    state = env.reset()
+    walkthrough = list(state.policy_commands)
+    env.close()
+    return {"id": f"{split}-{index:05d}", "type": kind, "game": os.path.relpath(path, out), "walkthrough": walkthrough,
+            "max_score": int(state.max_score), "answers": [],
+            "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": clean(state.feedback)}]}
+
+
+def prepare(out, train_size=0, val_size=None, seed=0, source=None):
+    """OUT/games/*.z8 and OUT/{train,val}.parquet: train_size (default 64) easy games to train on;
+    val_size (default 32) held-out games, half easy and half hard. Seeds: train 0.., val 1,000,000..,
+    offset by 10,000 x seed."""
+    if source is not None:
+        raise ValueError("textworld generates its games; it has no --source")
+    train_size, val_size = train_size or 64, 32 if val_size is None else val_size
+    base = 10_000 * seed
+    jobs = [(out, "train", "easy", i, base + i) for i in range(train_size)]
+    jobs += [(out, "val", "easy" if i < (val_size + 1) // 2 else "hard", i, base + 1_000_000 + i) for i in range(val_size)]
+    os.makedirs(os.path.join(out, "games"), exist_ok=True)
+    with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
+        rows = list(pool.map(make_one, jobs))
+    write_prompts(out, {"train": [r for r in rows if r["id"].startswith("train")], "val": [r for r in rows if r["id"].startswith("val")]})

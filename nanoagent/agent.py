@@ -35,7 +35,8 @@ without a tool call, a game was won or lost); when a turn is cut by the new-toke
 environment is done or it was the last allowed turn ("truncated"), or by the context budget
 ("context_budget", as when the next observation would not fit); after the last allowed turn
 without the environment being done ("max_turns": the turn budget, gym's truncation); or when a
-step of its environment failed ("env_error", with the reason in Trajectory.error). A turn cut
+step of its environment failed or ran past rollout.step_timeout_s ("env_error", with the reason
+in Trajectory.error). A turn cut
 before the last turn otherwise goes on: the environment reads what was cut (a tool call that was
 not closed is an error the model reads).
 """
@@ -192,7 +193,7 @@ def run_agent(engine, env, samples, sampling, max_turns, max_context_tokens, see
     the order of samples.
     """
     trajs = start_trajectories(env, samples, max_context_tokens)
-    generating, stepping = {}, {}  # request id -> (i, turn, budget);  step future -> (i, turn, content, eos, cut)
+    generating, stepping = {}, {}  # request id -> (i, turn, budget);  step future -> (i, turn, content, eos, cut, started)
     engine_s = idle_s = 0.0
 
     def submit(i, turn):
@@ -211,13 +212,17 @@ def run_agent(engine, env, samples, sampling, max_turns, max_context_tokens, see
                 i, turn, budget = generating.pop(request_id)
                 content, ended_with_eos = take_turn(trajs[i], gen.token_ids, gen.logprobs, env.tokenizer)
                 cut = None if gen.finish_reason != "length" else "context_budget" if budget < sampling.max_new_tokens else "truncated"
-                stepping[env.start(trajs[i].env, content)] = (i, turn, content, ended_with_eos, cut)
+                stepping[env.start(trajs[i].env, content)] = (i, turn, content, ended_with_eos, cut, time.perf_counter())
             engine_s += time.perf_counter() - start
         else:  # nothing to generate until a step is back
-            wait(stepping, return_when=FIRST_COMPLETED)
+            first_deadline = min(started for *_, started in stepping.values()) + env.step_timeout_s
+            wait(stepping, timeout=max(0.0, first_deadline - time.perf_counter()), return_when=FIRST_COMPLETED)
             idle_s += time.perf_counter() - start
+        for future, (*_, started) in stepping.items():
+            if time.perf_counter() - started > env.step_timeout_s:
+                env.expire(future)
         for future in [f for f in stepping if f.done()]:
-            i, turn, content, ended_with_eos, cut = stepping.pop(future)
+            i, turn, content, ended_with_eos, cut, _ = stepping.pop(future)
             if observe(trajs[i], env, future, content, ended_with_eos, turn == max_turns - 1, cut, max_context_tokens):
                 submit(i, turn + 1)
     if timing is not None:
@@ -272,7 +277,8 @@ def scripted_trajectories(env, samples, scripts):
             ids += [] if ids and ids[-1] in stops else [tokenizer.eos_token_id]
             content, ended_with_eos = take_turn(t, ids, None, tokenizer)
             stepping[env.start(t.env, content)] = (t, content, ended_with_eos)
-        wait(stepping)
+        wait(stepping, timeout=env.step_timeout_s)
         for future, (t, content, ended_with_eos) in stepping.items():
+            env.expire(future)  # those not back by now (the others have their outcome already)
             observe(t, env, future, content, ended_with_eos, False, None, float("inf"))
     return trajs

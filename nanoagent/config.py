@@ -58,6 +58,7 @@ class RolloutConfig:
     max_context_tokens: int = opt(4096, "prompt + response budget of one trajectory (of one step with context=last_k)")
     max_obs_tokens: int = opt(512, "a tool result is truncated to this many tokens")
     tool_timeout_s: float = opt(10.0, "time limit of one tool call")
+    step_timeout_s: float = opt(120.0, "time limit of one environment step (a tool task's: its calls, queueing included); past it the step is abandoned and its trajectory ends (env_error)")
     search_top_k: int = opt(3, "passages returned by one search call")
     dtype: Literal["bfloat16", "float16", "float32"] = opt("bfloat16", "engine weights and activations")
     gpu_memory_utilization: float = opt(0.5, "share of GPU memory vLLM may take (weights + KV cache)")
@@ -329,6 +330,8 @@ def validate(cfg):
              "train.weight_decay", "train.warmup_steps", "train.kl_coef", "train.save_every", "train.keep_last", "train.warm_start_steps",
              "train.warm_start_lr", "reward.answer_weight", "reward.format_weight", "eval.every")
     above(0, "rollout.tool_timeout_s", "ppo.value_clip", "train.grad_clip")
+    need(cfg.rollout.step_timeout_s > cfg.rollout.tool_timeout_s, f"rollout.step_timeout_s={cfg.rollout.step_timeout_s}: must be > "
+         f"rollout.tool_timeout_s ({cfg.rollout.tool_timeout_s}): a step runs its tool calls")
     above(1, "ppo.clip_dual")
     # train.entropy_coef and train.tool_call_reward may be negative: an entropy penalty, a cost per tool call
     for key in ("ppo.gamma", "ppo.lam"):

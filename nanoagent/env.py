@@ -18,8 +18,8 @@ AgentEnv, gym's reset/step):
 Tool calling is one such environment (tools.ToolCalling, made by tool_env below), a game another
 (tasks/textworld.py); the agent loop (agent.py) drives them all the same way. A step runs in a
 thread of its own while the engine keeps decoding other trajectories (ChatEnv.start). A step that
-raises, or returns something that is not the above (a NaN reward, say), ends its own trajectory
-("env_error", with the reason) and no other.
+raises, returns something that is not the above (a NaN reward, say) or does not return within
+rollout.step_timeout_s ends its own trajectory ("env_error", with the reason) and no other.
 
 ChatEnv is the side that is the same for every environment: it makes one per trajectory, runs
 their steps, and turns conversations into token ids with the tokenizer's chat template:
@@ -40,7 +40,7 @@ import functools
 import math
 import re
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 from nanoagent.tools import ToolCalling, ToolRunner
 
@@ -58,7 +58,7 @@ class ChatEnv:
     turns ("last_k"); max_obs_tokens: the budget of each observation message.
     """
 
-    def __init__(self, make, tokenizer, schemas=(), max_obs_tokens=512, context="full", keep_turns=2):
+    def __init__(self, make, tokenizer, schemas=(), max_obs_tokens=512, context="full", keep_turns=2, step_timeout_s=120.0):
         if context not in ("full", "last_k") or keep_turns < 1:
             raise ValueError(f"context={context!r}, keep_turns={keep_turns}: context is full or last_k, keep_turns >= 1")
         self.make = make
@@ -67,6 +67,7 @@ class ChatEnv:
         self.max_obs_tokens = max_obs_tokens
         self.context = context
         self.keep_turns = keep_turns
+        self.step_timeout_s = step_timeout_s
         self.frames = {}  # role -> _frame(role)
 
     def start(self, env, action):
@@ -74,18 +75,24 @@ class ChatEnv:
         env.step(action) in a daemon thread of its own (a step that never returns does not hold up the
         process's exit). Returns a Future of the checked (observation messages, reward, done, info);
         it raises StepError with the reason when the step raised (anything, BaseException included:
-        an environment that calls sys.exit() has failed) or returned something else.
+        an environment that calls sys.exit() has failed), returned something else, or was expired.
         """
         future = Future()
 
         def target():
             try:
-                future.set_result(checked_step(env.step(action)))
+                outcome = checked_step(env.step(action))
             except BaseException as e:
-                future.set_exception(StepError(f"{type(e).__name__}" + (f": {e}" if str(e) else "")))
+                outcome = StepError(f"{type(e).__name__}" + (f": {e}" if str(e) else ""))
+            settle(future, outcome)
 
         threading.Thread(target=target, daemon=True).start()
         return future
+
+    def expire(self, future):
+        """Fail a step that ran past step_timeout_s. Its thread is abandoned, not stopped (a Python thread
+        cannot be killed); whatever it returns later is dropped."""
+        settle(future, StepError(f"the step did not return within {self.step_timeout_s:g}s (rollout.step_timeout_s)"))
 
     def truncate(self, text, role="tool"):
         """
@@ -223,6 +230,15 @@ class ChatEnv:
         return self.prompt_ids(self.step_messages(messages, n_prompt))
 
 
+def settle(future, outcome):
+    """Give a step's Future its outcome (an exception: raised by result()), unless it has one already:
+    the step's thread and expire() may race."""
+    try:
+        future.set_exception(outcome) if isinstance(outcome, BaseException) else future.set_result(outcome)
+    except InvalidStateError:
+        pass
+
+
 class StepError(RuntimeError):
     """An environment's step failed: its trajectory ends ("env_error") with this as the reason."""
 
@@ -250,8 +266,9 @@ def marked(messages):
     return [m if m["role"] in TEXT_ROLES else {**m, "content": TEXT_MARKER} for m in messages]
 
 
-def tool_env(tools, tokenizer, max_obs_tokens=512, timeout_s=10.0, context="full", keep_turns=2, workers=4, max_abandoned=8):
+def tool_env(tools, tokenizer, max_obs_tokens=512, timeout_s=10.0, context="full", keep_turns=2, workers=4, max_abandoned=8,
+             step_timeout_s=120.0):
     """The ChatEnv of a tool task: a ToolCalling environment per trajectory over one ToolRunner,
     which runs the calls of every trajectory (batched where they wait together) under time limits."""
     runner = ToolRunner(tools, timeout_s, workers, max_abandoned)
-    return ChatEnv(lambda: ToolCalling(runner), tokenizer, runner.schemas(), max_obs_tokens, context, keep_turns)
+    return ChatEnv(lambda: ToolCalling(runner), tokenizer, runner.schemas(), max_obs_tokens, context, keep_turns, step_timeout_s)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from nanoagent import rl
-from nanoagent.common import reduce_metrics
+from nanoagent.common import exit_now, reduce_metrics
 from nanoagent.model import load_causal_lm, pad_rows, policy_forward, shard
 
 
@@ -78,8 +78,8 @@ def main():
     if rank == 0:
         torch.save({"grads": grads, "metrics": metrics}, args.out)
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    exit_now(0)  # as train.py ends: without the interpreter's teardown, where a rank once died in C++ (terminate called)

@@ -8,10 +8,9 @@ one process over the whole batch.
 import sys
 
 import torch
-import torch.distributed as dist
 
 from nanoagent import rl
-from nanoagent.common import all_reduce, init_distributed
+from nanoagent.common import all_reduce, exit_now, init_distributed
 
 
 def batch(rows=6, width=7):
@@ -29,4 +28,4 @@ if __name__ == "__main__":
     tokens, count, unit_tokens = rl.unit_counts(mask, units, mine, all_reduce)
     torch.save({"rows": mine, "whitened": rl.whiten(advantages[mine], mask[mine], all_reduce=all_reduce),
                 "tokens": tokens, "units": count, "unit_tokens": unit_tokens[mine]}, f"{sys.argv[1]}.{rank}")
-    dist.destroy_process_group()
+    exit_now(0)  # as train.py ends: without the interpreter's teardown, where a rank once died in C++ (terminate called)

@@ -15,6 +15,7 @@ from save_driver import advance, build
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanoagent.checkpoint import load_latest, save_checkpoint  # noqa: E402
+from nanoagent.common import exit_now  # noqa: E402
 
 
 def main():
@@ -31,8 +32,8 @@ def main():
     advance(model, optimizer, 3)
     _, step, extra = load_latest(run_dir, {"policy": model}, {"policy": optimizer})
     print(f"rank {dist.get_rank()} resumed {step} {extra}", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    exit_now(0)  # as train.py ends: without the interpreter's teardown, where a rank once died in C++ (terminate called)

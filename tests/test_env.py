@@ -2,16 +2,22 @@
 Environments that are not tool calls, through the real agent loop and vLLM engine: a hand-written
 counter under both contexts (token-exact, step rewards on each turn's last token), environments
 that fail (only their own trajectory ends), and a real TextWorld game generated here and played to
-a win by a model that memorised its walkthrough.
+a win by a model that memorised its walkthrough; train.py on TextWorld, resumed exactly.
 """
 
+import json
 import math
+import os
+import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import procs
 import train
 from nanoagent.agent import run_agent, scripted_trajectories
 from nanoagent.config import make_config
@@ -22,6 +28,7 @@ from nanoagent.tasks import textworld
 from nanoagent.tiny import pretraining_loss
 
 pytestmark = pytest.mark.slow
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_CONTEXT = 2048
 SYSTEM = {"role": "system", "content": "Count with the environment."}
 SAMPLED = SamplingConfig(max_new_tokens=8, temperature=1.0)
@@ -44,7 +51,7 @@ class Counter:
 
 
 class Failing:
-    """Fails its second step in one of several ways: raising, a NaN reward, sys.exit, a bad observation."""
+    """Fails its second step in one of several ways: raising, a NaN reward, sys.exit, never returning, a bad observation."""
 
     def __init__(self):
         self.n = 0
@@ -63,6 +70,8 @@ class Failing:
             return "ok", math.nan, False, {}
         if self.how == "exit":
             sys.exit(3)
+        if self.how == "hang":
+            threading.Event().wait()
         return 42, 0.0, False, {}
 
 
@@ -125,22 +134,23 @@ def test_an_environment_under_last_k_renders_each_turns_prompt(engine, tok):
 
 
 def test_a_failing_environment_fails_only_its_own_trajectory(engine, tok):
-    env = ChatEnv(Failing, tok)
-    hows = ["fine", "raise", "nan", "exit", "bad observation", "fine"]
+    env = ChatEnv(Failing, tok, step_timeout_s=5.0)  # the others' steps take microseconds
+    hows = ["fine", "raise", "nan", "exit", "hang", "bad observation", "fine"]
     trajs = run_agent(engine, env, [{"id": h, "how": h, "answers": []} for h in hows], SAMPLED, max_turns=5, max_context_tokens=MAX_CONTEXT, seed=3)
     reasons = {t.sample["how"]: (t.finish_reason, t.error) for t in trajs}
     assert all(t.finish_reason in ("done", "truncated") and t.error is None for t in trajs if t.sample["how"] == "fine")
     assert reasons["raise"] == ("env_error", "KeyError: 'the simulator lost its state'")
     assert reasons["nan"][0] == "env_error" and "not a finite number" in reasons["nan"][1]
     assert reasons["exit"] == ("env_error", "SystemExit: 3")
+    assert reasons["hang"] == ("env_error", "the step did not return within 5s (rollout.step_timeout_s)")
     assert reasons["bad observation"][0] == "env_error" and "observation" in reasons["bad observation"][1]
     for t in trajs:
         assert len(t.step_rewards) == len(t.turn_spans) == (3 if t.sample["how"] == "fine" else 2)
     # the trainer leaves them out of the update: their reward says nothing of the policy
     batch = collate(trajs, tok.pad_token_id)
-    keep, dropped = train.trained_rows(trajs, torch.zeros(6), torch.zeros_like(batch["action_mask"]), batch["trajectory"],
-                                       torch.arange(6), make_config("tiny", ["algo=reinforce", "train.overlong_filter=false"]))
-    assert keep.tolist() == [1, 0, 0, 0, 0, 1] and dropped["dropped_env_error"] == 4
+    keep, dropped = train.trained_rows(trajs, torch.zeros(7), torch.zeros_like(batch["action_mask"]), batch["trajectory"],
+                                       torch.arange(7), make_config("tiny", ["algo=reinforce", "train.overlong_filter=false"]))
+    assert keep.tolist() == [1, 0, 0, 0, 0, 0, 1] and dropped["dropped_env_error"] == 5
 
 
 @pytest.fixture(scope="module")
@@ -199,5 +209,35 @@ def test_textworld_commands_and_text(game_rows):
     assert game.step("restart")[0] == "'restart' is not available in this game." and game.moves == 1
     assert game.step("")[0].startswith("Write one command")
     assert textworld.command("> Open the box\nbecause I can") == "Open the box"
+    assert textworld.command("open\x00 box\x1b") == "open box" and textworld.command("go\u202e east") == "go east"
+    assert isinstance(game.step("open\x00 box")[0], str)  # a NUL sent to the game crashed the process (frotz)
+    assert isinstance(game.step("\\eat the box")[0], str)  # a command starting "\\e" made frotz ask again, for ever
     with pytest.raises(FileNotFoundError, match="does not exist"):
         textworld.Game(out).reset({"id": "x", "game": "games/missing.z8"})
+
+
+def test_train_py_plays_textworld_and_resumes_to_the_same_next_step(tmp_path):
+    """train.py on TextWorld games (prepare_data.py's, a warm start on the walkthroughs, PPO), and
+    a run stopped after its first step and resumed takes the same second step as one that went on."""
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, "prepare_data.py", "--task=textworld", f"--out={data}", "--train-size=4", "--val-size=2"],
+                   cwd=ROOT, check=True, capture_output=True, timeout=600)
+    common = ["--config=tiny", "data.task=textworld", f"data.train_path={data / 'train.parquet'}", f"data.val_path={data / 'val.parquet'}",
+              "data.max_prompt_tokens=1536", "rollout.max_context_tokens=3072", "rollout.max_turns=4", "rollout.max_new_tokens=16",
+              "rollout.max_obs_tokens=256", "rollout.prompts_per_step=2", "rollout.group_size=2", "ppo.mini_batch_size=4",
+              "train.warm_start_steps=4", "algo=ppo", "train.entropy_coef=0.01", "train.kl_mode=reward", "eval.every=0"]
+
+    def run(run_dir, *overrides):
+        cmd = [sys.executable, "train.py", *common, f"run_dir={run_dir}", *overrides]
+        proc = procs.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        return proc.stdout, [json.loads(line) for line in open(run_dir / "metrics.jsonl") if '"time/step"' in line]
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # side by side on 2 cores
+        (_, straight), _ = pool.map(lambda a: run(*a), [(tmp_path / "a", "steps=2"), (tmp_path / "b", "steps=1")])
+    out, resumed = run(tmp_path / "b", "steps=2")
+    assert "resumed from" in out and "warm start" not in out
+    [expected], [step2] = [m for m in straight if m["step"] == 2], [m for m in resumed if m["step"] == 2]
+    for k in ["reward", "step_reward", "won", "score", "moves", "turns", "response_tokens", "pg_loss", "vf_loss", "grad_norm", "entropy"]:
+        assert step2[k] == pytest.approx(expected[k], rel=1e-5, abs=1e-7), k
+    assert expected["turns"] > 1 and expected["entropy"] != 0 and expected["finish/env_error"] == 0

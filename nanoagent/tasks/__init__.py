@@ -58,5 +58,6 @@ def task_env(task, cfg, tokenizer, tools=None):
     tool calling over its tools (or over `tools`, when given: rollout.py's and chat.py's --tools)."""
     r = cfg.rollout
     if tools is None and getattr(task, "environment", None) is not None:
-        return ChatEnv(task.environment(cfg), tokenizer, (), r.max_obs_tokens, r.context, r.keep_turns)
-    return tool_env(task.tools(cfg) if tools is None else tools, tokenizer, r.max_obs_tokens, r.tool_timeout_s, r.context, r.keep_turns)
+        return ChatEnv(task.environment(cfg), tokenizer, (), r.max_obs_tokens, r.context, r.keep_turns, r.step_timeout_s)
+    return tool_env(task.tools(cfg) if tools is None else tools, tokenizer, r.max_obs_tokens, r.tool_timeout_s, r.context, r.keep_turns,
+                    step_timeout_s=r.step_timeout_s)

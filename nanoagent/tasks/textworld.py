@@ -21,7 +21,7 @@ outcome, 1 for a game won, 0 otherwise. The scores logged are won, score (the fr
 max_score reached) and moves (commands sent), overall and per split (eval/easy/won, ...).
 
 The model writes one command per turn (the system prompt says how); the first non-empty line of
-its reply is sent, without a leading "> ". Whatever the game makes of it is the observation: a
+its reply is sent, without a leading "> ", characters that do not print and backslashes. Whatever the game makes of it is the observation: a
 command it does not know is answered "That's not a verb I recognise." and costs a turn, like any
 other. Commands that would leave the game (quit, restart, restore, save, undo) are not sent; the
 observation says so. The turn budget (rollout.max_turns) ends a game that is not won in time.
@@ -54,9 +54,12 @@ def clean(feedback):
 
 
 def command(action):
-    """The command in a reply: its first non-empty line, without a leading "> ", at most 200 characters."""
+    """The command in a reply: its first non-empty line, without a leading "> ", characters that do not
+    print or backslashes, at most 200 characters. jericho's interpreter (dumb-frotz) crashes on a NUL,
+    and reads a line that starts with a backslash as a command of its own: one it does not know makes
+    it ask again, forever."""
     line = next((ln.strip() for ln in action.split("\n") if ln.strip()), "")
-    return line.removeprefix(">").strip()[:200]
+    return "".join(ch for ch in line if ch.isprintable() and ch != "\\").removeprefix(">").strip()[:200]
 
 
 class Game:

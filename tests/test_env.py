@@ -82,7 +82,13 @@ def tok(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir, tok):
-    return VLLMEngine(tiny_model_dir, stop_token_ids(tok), MAX_CONTEXT, dtype="float32", seed=0)
+    """The real vLLM CPU engine, in process; the torch.distributed world of one it sets up for itself
+    is torn down with it, so that later tests can start a process group of their own (test_engine.py)."""
+    engine = VLLMEngine(tiny_model_dir, stop_token_ids(tok), MAX_CONTEXT, dtype="float32", seed=0)
+    yield engine
+    del engine
+    from vllm.distributed import cleanup_dist_env_and_memory  # here: the GPU machine collects this module without vLLM
+    cleanup_dist_env_and_memory()
 
 
 def rows(n):

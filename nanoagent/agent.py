@@ -36,9 +36,8 @@ environment is done or it was the last allowed turn ("truncated"), or by the con
 ("context_budget", as when the next observation would not fit); after the last allowed turn
 without the environment being done ("max_turns": the turn budget, gym's truncation); or when a
 step of its environment failed or ran past rollout.step_timeout_s ("env_error", with the reason
-in Trajectory.error). A turn cut
-before the last turn otherwise goes on: the environment reads what was cut (a tool call that was
-not closed is an error the model reads).
+in Trajectory.error). A turn cut before the last turn otherwise goes on: the environment reads
+what was cut (a tool call that was not closed is an error the model reads).
 """
 
 import time

@@ -17,7 +17,8 @@ import json
 import os
 import sys
 
-EVAL_KEYS = ["reward", "em", "substring_em", "f1", "turns", "tool_calls"]
+QA_LEGEND = ("em = strict exact match; substring_em = a gold answer occurs in the prediction (Agent-R1's accuracy); "
+             "f1 = token F1 (SQuAD); ")
 
 
 def read_metrics(path):
@@ -44,13 +45,13 @@ def read_stages(path):
 
 
 def eval_summary(path):
-    """Means over rollout.py's trajectories: reward, the three answer scores, turns, tool calls."""
+    """Means over rollout.py's trajectories: reward, the task's scores, turns, tool calls."""
     with open(path) as f:
         trajs = [json.loads(line) for line in f if line.strip()]
     if not trajs:
         raise ValueError(f"{path} holds no trajectories")
-    summary = {k: sum(t["scores"][k] for t in trajs) / len(trajs) for k in ("em", "substring_em", "f1")}
-    summary["reward"] = sum(t["reward"] for t in trajs) / len(trajs)
+    summary = {"reward": sum(t["reward"] for t in trajs) / len(trajs)}
+    summary |= {k: sum(t["scores"][k] for t in trajs) / len(trajs) for k in trajs[0]["scores"]}
     summary["turns"] = sum(t["turns"] for t in trajs) / len(trajs)
     summary["tool_calls"] = sum(len(t["tool_calls"]) for t in trajs) / len(trajs)
     return summary, len(trajs)
@@ -105,21 +106,17 @@ def write_report(run_dir, out_path, eval_path=None, stages=(), gpus=0):
         before, after = evals[0], evals[-1]
         lines += [f"| metric | before RL (step {before['step']}) | after RL (step {after['step']}) | change |",
                   "|---|---|---|---|"]
-        per_type = sorted({k[len("eval/"):].rpartition("/")[0] for k in after if k.count("/") == 2})
-        for key in EVAL_KEYS + [f"{ty}/{k}" for ty in per_type for k in ("em", "tool_calls")]:
-            b, a = before.get(f"eval/{key}"), after.get(f"eval/{key}")
-            if b is not None and a is not None:
-                lines.append(f"| {key} | {b:.3f} | {a:.3f} | {a - b:+.3f} |")
-        lines += ["", "reward = the task's reward recipe; em = strict exact match; substring_em = a gold answer occurs "
-                  "in the prediction (Agent-R1's accuracy); f1 = token F1 (SQuAD); turns and tool_calls per question; "
-                  "TYPE/...: the questions of one type.", ""]
+        keys = sorted((k for k in after if k.startswith("eval/") and k in before), key=lambda k: k.count("/"))  # overall, then per type
+        lines += [f"| {k[len('eval/'):]} | {before[k]:.3f} | {after[k]:.3f} | {after[k] - before[k]:+.3f} |" for k in keys]
+        lines += ["", f"reward = the task's reward recipe; {QA_LEGEND if 'eval/em' in keys else ''}the other scores are the task's "
+                  "(its score()); turns and tool_calls per prompt; TYPE/...: the prompts of one type.", ""]
     else:
         lines += ["No evaluation was logged (eval.every=0).", ""]
 
     if eval_path:
         summary, n = eval_summary(eval_path)
         lines += [f"## Validation set: {n} questions (rollout.py, greedy)", "", "| metric | value |", "|---|---|"]
-        lines += [f"| {k} | {summary[k]:.3f} |" for k in EVAL_KEYS] + [""]
+        lines += [f"| {k} | {v:.3f} |" for k, v in summary.items()] + [""]
     lines += ["## Training curves", ""] + [f"![{name}]({name})" for name in images] + [""]
     if train:
         last = train[-1]

@@ -343,16 +343,26 @@ def pretrain(model_dir, rows, steps, batch_size=32, lr=3e-3, seed=0, warmdown=0.
 
 def task_texts(paths):
     """The text of a task's files for build_tokenizer: passages of a corpus (.jsonl, as build_index.py
-    reads it) and the messages of prompt files (.parquet, as prepare_data.py writes them)."""
+    reads it), conversations (.jsonl of {"messages"}, as pretraining_rows reads them) and the messages
+    of prompt files (.parquet, as prepare_data.py writes them)."""
     texts = []
     for path in paths:
-        if path.endswith(".jsonl"):
+        if path.endswith(".jsonl") and is_conversations(path):
+            with open(path) as f:
+                texts += [m["content"] for line in f for m in json.loads(line)["messages"]]
+        elif path.endswith(".jsonl"):
             texts += [f"{p['title']} {p['text']}" for p in iter_corpus(path)]
         elif path.endswith(".parquet"):
             texts += [m["content"] for row in load_prompts(path) for m in row["messages"]]
         else:
             raise ValueError(f"{path}: expected a corpus (.jsonl) or a prompt file (.parquet)")
     return texts
+
+
+def is_conversations(path):
+    """Whether a .jsonl file holds conversations ({"messages": ...}) rather than passages: its first line says."""
+    with open(path) as f:
+        return "messages" in json.loads(f.readline() or "{}")
 
 
 def pretraining_rows(path, tokenizer):
@@ -365,9 +375,7 @@ def pretraining_rows(path, tokenizer):
     with the EOS of a turn that calls no tool. What the user asks and what a tool returns are read,
     not predicted.
     """
-    with open(path) as f:
-        first = json.loads(f.readline() or "{}")
-    if "messages" not in first:
+    if not is_conversations(path):
         return [(ids + [tokenizer.eos_token_id], [1] * (len(ids) + 1))
                 for ids in tokenizer([format_passages([p]) for p in iter_corpus(path)], add_special_tokens=False)["input_ids"]]
     rows = []
@@ -395,7 +403,7 @@ def main(argv=None):
     knows a task's words, pretrained on a task's text (make demo)."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--out", required=True, help="folder to write the model and tokenizer to (loadable as model=DIR)")
-    parser.add_argument("--text", action="append", default=[], help="a corpus (.jsonl) or prompt file (.parquet) whose words become tokens; repeatable")
+    parser.add_argument("--text", action="append", default=[], help="a corpus or conversations (.jsonl) or a prompt file (.parquet) whose words become tokens; repeatable")
     parser.add_argument("--hidden_size", type=int, default=128, help="a multiple of 64 (head_dim)")
     parser.add_argument("--num_layers", type=int, default=2)
     parser.add_argument("--kv_heads", type=int, default=1, help="key/value heads; must divide hidden_size // 64")

@@ -25,7 +25,7 @@ from nanoagent.engine import SamplingConfig, VLLMEngine, stop_token_ids
 from nanoagent.env import ChatEnv
 from nanoagent.model import collate
 from nanoagent.tasks import textworld
-from nanoagent.tiny import pretraining_loss
+from nanoagent.tiny import pretraining_loss, pretraining_rows
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -205,8 +205,9 @@ def greedy_everywhere(model, ids, mask):
     return torch.equal(predicted[learned], torch.tensor(ids[1:])[learned])
 
 
-def test_textworld_commands_and_text(game_rows):
+def test_textworld_commands_and_text(game_rows, tmp_path, monkeypatch):
     rows_, out = game_rows
+    monkeypatch.chdir(tmp_path)  # where the game would write a transcript file
     game = textworld.Game(out)
     assert game.reset(rows_[0]) == rows_[0]["messages"]
     text = rows_[0]["messages"][1]["content"]
@@ -218,8 +219,29 @@ def test_textworld_commands_and_text(game_rows):
     assert textworld.command("open\x00 box\x1b") == "open box" and textworld.command("go\u202e east") == "go east"
     assert isinstance(game.step("open\x00 box")[0], str)  # a NUL sent to the game crashed the process (frotz)
     assert isinstance(game.step("\\eat the box")[0], str)  # a command starting "\\e" made frotz ask again, for ever
+    for line in ["transcript", "look. Transcript.", "script on", "noscript"]:  # "transcript" wrote the next command's text as a file
+        assert game.step(line)[0].endswith("is not available in this game."), line
+        game.step("first words")
+    assert os.listdir(tmp_path) == []
     with pytest.raises(FileNotFoundError, match="does not exist"):
         textworld.Game(out).reset({"id": "x", "game": "games/missing.z8"})
+
+
+def test_textworld_pretraining_transcripts_play_their_games_to_a_win(tmp_path, tok):
+    """make demo-textworld's pretraining text: each transcript is a real play of a game that is then
+    deleted, its commands the game's policy with a few others it accepts, ending in a win; the tiny
+    kit learns only its commands."""
+    plays = textworld.make_one((str(tmp_path), "pretrain", "easy", 0, 2_000_123))
+    assert len(plays) == textworld.PLAYS and not os.listdir(tmp_path / "games")
+    for play in plays:
+        messages = play["messages"]
+        assert messages[0]["content"] == textworld.SYSTEM_PROMPT and [m["role"] for m in messages[1:3]] == ["user", "assistant"]
+        assert "You scored 1 out of a possible 1" in messages[-1]["content"]  # won
+    assert len({tuple(m["content"] for m in p["messages"]) for p in plays}) > 1  # each wanders its own way
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(p) + "\n" for p in plays))
+    ids, mask = pretraining_rows(str(tmp_path / "t.jsonl"), tok)[0]
+    learned = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert learned == "".join(m["content"] + tok.eos_token for m in plays[0]["messages"] if m["role"] == "assistant")
 
 
 def test_train_py_plays_textworld_and_resumes_to_the_same_next_step(tmp_path):

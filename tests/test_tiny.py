@@ -235,6 +235,13 @@ def test_a_tokenizer_trained_on_a_tasks_text_gives_each_name_one_token_wherever_
         task_texts([str(tmp_path / "corpus.txt")])
 
 
+def test_task_texts_read_conversations(tmp_path):
+    """make demo-textworld's tokenizer also learns from game transcripts: a .jsonl of conversations."""
+    conversation = {"messages": [{"role": "user", "content": "You see a closed zorblax."}, {"role": "assistant", "content": "open zorblax"}]}
+    (tmp_path / "t.jsonl").write_text(json.dumps(conversation) + "\n")
+    assert task_texts([str(tmp_path / "t.jsonl")]) == ["You see a closed zorblax.", "open zorblax"]
+
+
 def test_pretraining_teaches_the_tiny_model_its_text_and_saves_it(tmp_path):
     """make demo's pretraining: next-token loss on a corpus's passages, written back into the model folder."""
     build_tiny_model(str(tmp_path), seed=0)

@@ -23,11 +23,14 @@ max_score reached) and moves (commands sent), overall and per split (eval/easy/w
 The model writes one command per turn (the system prompt says how); the first non-empty line of
 its reply is sent, without a leading "> ", characters that do not print and backslashes. Whatever the game makes of it is the observation: a
 command it does not know is answered "That's not a verb I recognise." and costs a turn, like any
-other. Commands that would leave the game (quit, restart, restore, save, undo) are not sent; the
-observation says so. The turn budget (rollout.max_turns) ends a game that is not won in time.
+other. Commands that would leave the game or write a file (quit, restart, restore, save, undo,
+transcript...) are not sent, wherever they are in the line (the parser runs "look. transcript" as two
+commands); the observation says so. The turn budget (rollout.max_turns) ends a game that is not won in time.
 """
 
+import json
 import os
+import random
 import re
 from concurrent.futures import ProcessPoolExecutor
 
@@ -40,9 +43,13 @@ SYSTEM_PROMPT = ("You are playing a text adventure game. Each turn, reply with o
                  "open door, go east, take key from box, put apple on table. The game answers with what happened.")
 QUESTION = "{}"
 INFOS = textworld.EnvInfos(won=True, lost=True, score=True, max_score=True, moves=True, objective=True, policy_commands=True)
+PLAY_INFOS = textworld.EnvInfos(won=True, lost=True, policy_commands=True, admissible_commands=True)
 SPLITS = {"easy": dict(rooms=3, objects=4, quest_length=3), "hard": dict(rooms=5, objects=8, quest_length=5)}
 LETTER = re.compile(r"[A-Za-z]")
-META_COMMANDS = {"quit", "q", "restart", "restore", "save", "undo", "script", "unscript"}
+WORD = re.compile(r"[a-z]+")
+META_COMMANDS = {"quit", "q", "restart", "restore", "save", "undo", "script", "unscript", "noscript", "transcript"}
+WANDER = 1 / 3  # pretraining transcripts: the share of moves that are any command the game accepts
+PLAYS = 4  # pretraining transcripts: plays of each game, each wandering its own way
 tools = None
 
 
@@ -79,7 +86,7 @@ class Game:
         cmd = command(action)
         if not cmd:
             return "Write one command, for example: look.", 0.0, False, {}
-        if cmd.split()[0].lower() in META_COMMANDS:
+        if META_COMMANDS & set(WORD.findall(cmd.lower())):
             return f"'{cmd}' is not available in this game.", 0.0, False, {}
         state, score, done = self.env.step(cmd)
         gained, self.score, self.won, self.moves = score - self.score, score, bool(state.won), self.moves + 1
@@ -134,8 +141,32 @@ def demonstration(row, rng):
     return script
 
 
+def transcript(env, state, rng):
+    """
+    A game played to its end as a conversation (the chat format), for the demo's pretraining: what a
+    real model brings to a text game, how its commands read and what the game answers. The player
+    sends the game's own next move towards the goal (the quest's commands from where it is now), and
+    at most twice, one time in three (WANDER), any other command the game accepts, from which the
+    policy then recovers.
+    """
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": clean(state.feedback)}]
+    wanders = 0
+    for _ in range(3 * len(state.policy_commands) + 6):
+        if state.won or state.lost or not state.policy_commands:
+            break
+        policy = state.policy_commands[0]
+        others = [c for c in state.admissible_commands if c != policy and not META_COMMANDS & set(WORD.findall(c))]
+        cmd = policy
+        if others and wanders < 2 and rng.random() < WANDER:
+            cmd, wanders = rng.choice(others), wanders + 1
+        state, _, _ = env.step(cmd)
+        messages += [{"role": "assistant", "content": cmd}, {"role": "user", "content": clean(state.feedback)}]
+    return {"messages": messages}
+
+
 def make_one(job):
-    """Generate and compile one game; returns its row (first observation, walkthrough) or raises."""
+    """Generate and compile one game; returns its row (first observation, walkthrough), or for a
+    pretraining game PLAYS transcripts (the game's files are then deleted), or raises."""
     out, split, kind, index, seed = job
     settings = SPLITS[kind]
     options = textworld.GameOptions()
@@ -144,8 +175,15 @@ def make_one(job):
     options.path = os.path.join(out, "games", f"{split}-{index:05d}.z8")
     options.force_recompile = True
     path = compile_game(make_game(options), options)
-    env = textworld.start(path, request_infos=INFOS)
+    env = textworld.start(path, request_infos=PLAY_INFOS if split == "pretrain" else INFOS)
     state = env.reset()
+    if split == "pretrain":
+        played = [transcript(env, env.reset(), random.Random(f"textworld-transcript-{seed}-{play}")) for play in range(PLAYS)]
+        env.close()
+        for name in os.listdir(os.path.dirname(path)):
+            if name.startswith(f"{split}-{index:05d}."):
+                os.remove(os.path.join(os.path.dirname(path), name))
+        return played
     walkthrough = list(state.policy_commands)
     env.close()
     return {"id": f"{split}-{index:05d}", "type": kind, "game": os.path.relpath(path, out), "walkthrough": walkthrough,
@@ -155,15 +193,22 @@ def make_one(job):
 
 def prepare(out, train_size=0, val_size=None, seed=0, source=None):
     """OUT/games/*.z8 and OUT/{train,val}.parquet: train_size (default 64) easy games to train on;
-    val_size (default 32) held-out games, half easy and half hard. Seeds: train 0.., val 1,000,000..,
-    offset by 10,000 x seed."""
+    val_size (default 32) held-out games, half easy and half hard; and OUT/transcripts.jsonl, the
+    pretraining text of make demo-textworld's tiny model: PLAYS transcripts (the chat format) of each
+    of as many other easy games as train_size. Seeds: train 0.., val 1,000,000..,
+    pretraining 2,000,000.., offset by 10,000 x seed."""
     if source is not None:
         raise ValueError("textworld generates its games; it has no --source")
     train_size, val_size = train_size or 64, 32 if val_size is None else val_size
     base = 10_000 * seed
     jobs = [(out, "train", "easy", i, base + i) for i in range(train_size)]
     jobs += [(out, "val", "easy" if i < (val_size + 1) // 2 else "hard", i, base + 1_000_000 + i) for i in range(val_size)]
+    jobs += [(out, "pretrain", "easy", i, base + 2_000_000 + i) for i in range(train_size)]
     os.makedirs(os.path.join(out, "games"), exist_ok=True)
     with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
         rows = list(pool.map(make_one, jobs))
-    write_prompts(out, {"train": [r for r in rows if r["id"].startswith("train")], "val": [r for r in rows if r["id"].startswith("val")]})
+    transcripts = [play for r in rows if isinstance(r, list) for play in r]
+    with open(os.path.join(out, "transcripts.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in transcripts)
+    print(f"wrote {len(transcripts)} game transcripts to {os.path.join(out, 'transcripts.jsonl')}")
+    write_prompts(out, {split: [r for r in rows if isinstance(r, dict) and r["id"].startswith(split)] for split in ("train", "val")})

@@ -347,10 +347,13 @@ def task_texts(paths):
     of prompt files (.parquet, as prepare_data.py writes them)."""
     texts = []
     for path in paths:
-        if path.endswith(".jsonl") and is_conversations(path):
+        kind = path.endswith(".jsonl") and jsonl_kind(path)
+        if kind == "conversations":
             with open(path) as f:
                 texts += [m["content"] for line in f for m in json.loads(line)["messages"]]
-        elif path.endswith(".jsonl"):
+        elif kind == "texts":
+            texts += plain_texts(path)
+        elif kind == "passages":
             texts += [f"{p['title']} {p['text']}" for p in iter_corpus(path)]
         elif path.endswith(".parquet"):
             texts += [m["content"] for row in load_prompts(path) for m in row["messages"]]
@@ -359,25 +362,41 @@ def task_texts(paths):
     return texts
 
 
-def is_conversations(path):
-    """Whether a .jsonl file holds conversations ({"messages": ...}) rather than passages: its first line says."""
+def jsonl_kind(path):
+    """What a .jsonl file of text holds, as its first line says: conversations ({"messages"}), passages
+    ({"title", "text"}, a corpus) or plain texts ({"text"})."""
     with open(path) as f:
-        return "messages" in json.loads(f.readline() or "{}")
+        first = json.loads(f.readline() or "{}")
+    return "conversations" if "messages" in first else "passages" if "title" in first else "texts"
+
+
+def plain_texts(path):
+    """The documents of a .jsonl file of {"text": ...} lines."""
+    texts = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            text = json.loads(line).get("text")
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"{path}:{n}: a document needs a non-empty string text")
+            texts.append(text)
+    return texts
 
 
 def pretraining_rows(path, tokenizer):
     """
-    The documents of a pretraining file (.jsonl) as (token ids, loss mask) rows. A passage
-    ({"title", "text"}) is shown as the search tool shows it and learned whole. A conversation
+    The documents of a pretraining file (.jsonl) as (token ids, loss mask) rows. A plain text
+    ({"text"}) is learned whole. A passage ({"title", "text"}) is shown as the search tool shows it
+    and learned whole. A conversation
     ({"messages"[, "tools"]}, the chat format) is rendered by the model's chat template, tool calls
     and results included, into the tokens the agent loop would assemble for it, and only what the
     agent loop counts as actions is learned (as in supervised fine-tuning): the assistant turns,
     with the EOS of a turn that calls no tool. What the user asks and what a tool returns are read,
     not predicted.
     """
-    if not is_conversations(path):
-        return [(ids + [tokenizer.eos_token_id], [1] * (len(ids) + 1))
-                for ids in tokenizer([format_passages([p]) for p in iter_corpus(path)], add_special_tokens=False)["input_ids"]]
+    kind = jsonl_kind(path)
+    if kind != "conversations":
+        texts = plain_texts(path) if kind == "texts" else [format_passages([p]) for p in iter_corpus(path)]
+        return [(ids + [tokenizer.eos_token_id], [1] * (len(ids) + 1)) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     rows = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
@@ -403,13 +422,13 @@ def main(argv=None):
     knows a task's words, pretrained on a task's text (make demo)."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--out", required=True, help="folder to write the model and tokenizer to (loadable as model=DIR)")
-    parser.add_argument("--text", action="append", default=[], help="a corpus or conversations (.jsonl) or a prompt file (.parquet) whose words become tokens; repeatable")
+    parser.add_argument("--text", action="append", default=[], help="a corpus, conversations or texts (.jsonl) or a prompt file (.parquet) whose words become tokens; repeatable")
     parser.add_argument("--hidden_size", type=int, default=128, help="a multiple of 64 (head_dim)")
     parser.add_argument("--num_layers", type=int, default=2)
     parser.add_argument("--kv_heads", type=int, default=1, help="key/value heads; must divide hidden_size // 64")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and of the pretraining's batches")
     parser.add_argument("--pretrain", nargs=2, action="append", default=[], metavar=("FILE", "STEPS"),
-                        help="pretrain STEPS steps of 32 documents on FILE (.jsonl of passages or of conversations); "
+                        help="pretrain STEPS steps of 32 documents on FILE (.jsonl of texts, passages or conversations); "
                              "repeatable: the files are learned one after another")
     args = parser.parse_args(argv)
     if args.hidden_size % 64 or args.hidden_size < 64 or args.num_layers < 1 or args.kv_heads < 1 or (args.hidden_size // 64) % args.kv_heads:

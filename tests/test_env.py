@@ -222,9 +222,19 @@ def test_textworld_commands_and_text(game_rows, tmp_path, monkeypatch):
     for line in ["transcript", "look. Transcript.", "script on", "noscript"]:  # "transcript" wrote the next command's text as a file
         assert game.step(line)[0].endswith("is not available in this game."), line
         game.step("first words")
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(tmp_path) == []  # checked before the files below are written
     with pytest.raises(FileNotFoundError, match="does not exist"):
         textworld.Game(out).reset({"id": "x", "game": "games/missing.z8"})
+    # a story file jericho cannot read ends the whole process ("Fatal error: Story file read error"): refused first
+    story = open(os.path.join(out, rows_[0]["game"]), "rb").read()
+    for name, data, problem in [("short", story[:200_000], "truncated or corrupt"), ("flipped", story[:99_999] + bytes([story[99_999] ^ 1]) + story[100_000:], "truncated or corrupt"),
+                                ("text", b"not a game\n" * 10, "not a Z-machine story"), ("alone", story, "has no .json")]:
+        (tmp_path / f"{name}.z8").write_bytes(data)
+        if name != "alone":
+            (tmp_path / f"{name}.json").write_text("{}")
+        with pytest.raises(ValueError, match=f"game file .*{name}.z8' of 'x' .*{problem}"):
+            textworld.Game(out).reset({"id": "x", "game": str(tmp_path / f"{name}.z8")})
+    assert textworld.story_problem(os.path.join(out, rows_[0]["game"])) is None
 
 
 def test_textworld_pretraining_transcripts_play_their_games_to_a_win(tmp_path, tok):
@@ -242,6 +252,8 @@ def test_textworld_pretraining_transcripts_play_their_games_to_a_win(tmp_path, t
     ids, mask = pretraining_rows(str(tmp_path / "t.jsonl"), tok)[0]
     learned = tok.decode([i for i, m in zip(ids, mask) if m])
     assert learned == "".join(m["content"] + tok.eos_token for m in plays[0]["messages"] if m["role"] == "assistant")
+    first, command, answer = (m["content"] for m in plays[0]["messages"][1:4])
+    assert textworld.game_log(plays[0])["text"].startswith(f"{first}\n\n> {command}\n\n{answer}")  # the same play as a log
 
 
 def test_train_py_plays_textworld_and_resumes_to_the_same_next_step(tmp_path):

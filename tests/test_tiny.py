@@ -235,11 +235,19 @@ def test_a_tokenizer_trained_on_a_tasks_text_gives_each_name_one_token_wherever_
         task_texts([str(tmp_path / "corpus.txt")])
 
 
-def test_task_texts_read_conversations(tmp_path):
-    """make demo-textworld's tokenizer also learns from game transcripts: a .jsonl of conversations."""
+def test_conversations_and_plain_texts_are_task_text_and_plain_texts_are_learned_whole(tmp_path, tiny_tok):
+    """make demo-textworld's tokenizer also learns from game transcripts (a .jsonl of conversations)
+    and game logs (a .jsonl of {"text"}), and pretraining learns a plain text whole, EOS included."""
     conversation = {"messages": [{"role": "user", "content": "You see a closed zorblax."}, {"role": "assistant", "content": "open zorblax"}]}
     (tmp_path / "t.jsonl").write_text(json.dumps(conversation) + "\n")
-    assert task_texts([str(tmp_path / "t.jsonl")]) == ["You see a closed zorblax.", "open zorblax"]
+    (tmp_path / "logs.jsonl").write_text(json.dumps({"text": "You see a box.\n\n> open box"}) + "\n")
+    assert task_texts([str(tmp_path / "t.jsonl"), str(tmp_path / "logs.jsonl")]) == ["You see a closed zorblax.", "open zorblax",
+                                                                                    "You see a box.\n\n> open box"]
+    [(ids, mask)] = pretraining_rows(str(tmp_path / "logs.jsonl"), tiny_tok)
+    assert ids == tiny_tok.encode("You see a box.\n\n> open box", add_special_tokens=False) + [tiny_tok.eos_token_id] and mask == [1] * len(ids)
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"text": 3}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1: a document needs a non-empty string text"):
+        pretraining_rows(str(tmp_path / "bad.jsonl"), tiny_tok)
 
 
 def test_pretraining_teaches_the_tiny_model_its_text_and_saves_it(tmp_path):

@@ -34,6 +34,7 @@ import random
 import re
 from concurrent.futures import ProcessPoolExecutor
 
+import numpy as np
 import textworld
 from textworld.generator import compile_game, make_game
 
@@ -96,11 +97,32 @@ class Game:
 
 
 def game_path(row, data_dir):
-    """A row's game file: as written, or relative to the folder of the prompt files."""
+    """A row's game file, as written or relative to the folder of the prompt files, checked: jericho's
+    interpreter ends the whole process on a story file it cannot read, so one that is missing,
+    truncated or corrupt is refused here, with its row's id."""
     path = row["game"] if os.path.isabs(row["game"]) else os.path.join(data_dir, row["game"])
     if not os.path.isfile(path):
         raise FileNotFoundError(f"game file {path!r} of {row.get('id')!r} does not exist (generate the games with prepare_data.py --task=textworld)")
+    problem = story_problem(path)
+    if problem:
+        raise ValueError(f"game file {path!r} of {row.get('id')!r} {problem}; generate the games again with prepare_data.py --task=textworld")
     return path
+
+
+def story_problem(path):
+    """Why a game cannot be played, or None: its .json (TextWorld's description of the game: score,
+    walkthrough) is not beside it, or it is not a Z-machine story whose length and checksum match its
+    header (a truncated or corrupt file)."""
+    if not os.path.isfile(os.path.splitext(path)[0] + ".json"):
+        return "has no .json beside it (TextWorld's description of the game)"
+    story = np.fromfile(path, dtype=np.uint8)
+    version = int(story[0]) if len(story) >= 64 else 0
+    if not 1 <= version <= 8:
+        return "is not a Z-machine story file"
+    length = (int(story[0x1A]) << 8 | int(story[0x1B])) * (2 if version <= 3 else 4 if version <= 5 else 8)
+    if length > len(story) or int(story[0x40:length].sum(dtype=np.int64)) % 65536 != int(story[0x1C]) << 8 | int(story[0x1D]):
+        return "is truncated or corrupt (its length or checksum does not match its header)"
+    return None
 
 
 def environment(cfg):
@@ -164,6 +186,12 @@ def transcript(env, state, rng):
     return {"messages": messages}
 
 
+def game_log(play):
+    """A transcript as a game's log in plain text, the way played games are written down: the first
+    observation, then each command after "> " and the game's answer."""
+    return {"text": "\n\n".join(m["content"] if m["role"] == "user" else f"> {m['content']}" for m in play["messages"][1:])}
+
+
 def make_one(job):
     """Generate and compile one game; returns its row (first observation, walkthrough), or for a
     pretraining game PLAYS transcripts (the game's files are then deleted), or raises."""
@@ -193,9 +221,9 @@ def make_one(job):
 
 def prepare(out, train_size=0, val_size=None, seed=0, source=None):
     """OUT/games/*.z8 and OUT/{train,val}.parquet: train_size (default 64) easy games to train on;
-    val_size (default 32) held-out games, half easy and half hard; and OUT/transcripts.jsonl, the
-    pretraining text of make demo-textworld's tiny model: PLAYS transcripts (the chat format) of each
-    of as many other easy games as train_size. Seeds: train 0.., val 1,000,000..,
+    val_size (default 32) held-out games, half easy and half hard; and the pretraining text of make
+    demo-textworld's tiny model: PLAYS plays of each of as many other easy games as train_size, as
+    conversations (OUT/transcripts.jsonl) and as plain-text game logs (OUT/game_logs.jsonl). Seeds: train 0.., val 1,000,000..,
     pretraining 2,000,000.., offset by 10,000 x seed."""
     if source is not None:
         raise ValueError("textworld generates its games; it has no --source")
@@ -208,7 +236,8 @@ def prepare(out, train_size=0, val_size=None, seed=0, source=None):
     with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
         rows = list(pool.map(make_one, jobs))
     transcripts = [play for r in rows if isinstance(r, list) for play in r]
-    with open(os.path.join(out, "transcripts.jsonl"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in transcripts)
-    print(f"wrote {len(transcripts)} game transcripts to {os.path.join(out, 'transcripts.jsonl')}")
+    for name, docs in (("transcripts.jsonl", transcripts), ("game_logs.jsonl", [game_log(t) for t in transcripts])):
+        with open(os.path.join(out, name), "w") as f:
+            f.writelines(json.dumps(d) + "\n" for d in docs)
+        print(f"wrote {len(docs)} plays to {os.path.join(out, name)}")
     write_prompts(out, {split: [r for r in rows if isinstance(r, dict) and r["id"].startswith(split)] for split in ("train", "val")})

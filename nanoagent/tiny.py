@@ -343,8 +343,8 @@ def pretrain(model_dir, rows, steps, batch_size=32, lr=3e-3, seed=0, warmdown=0.
 
 def task_texts(paths):
     """The text of a task's files for build_tokenizer: passages of a corpus (.jsonl, as build_index.py
-    reads it), conversations (.jsonl of {"messages"}, as pretraining_rows reads them) and the messages
-    of prompt files (.parquet, as prepare_data.py writes them)."""
+    reads it), conversations and plain texts (.jsonl, as pretraining_rows reads them) and the
+    messages of prompt files (.parquet, as prepare_data.py writes them)."""
     texts = []
     for path in paths:
         kind = path.endswith(".jsonl") and jsonl_kind(path)
@@ -386,8 +386,8 @@ def pretraining_rows(path, tokenizer):
     """
     The documents of a pretraining file (.jsonl) as (token ids, loss mask) rows. A plain text
     ({"text"}) is learned whole. A passage ({"title", "text"}) is shown as the search tool shows it
-    and learned whole. A conversation
-    ({"messages"[, "tools"]}, the chat format) is rendered by the model's chat template, tool calls
+    and learned whole. A conversation ({"messages"[, "tools"]}, the chat format) is rendered by the
+    model's chat template, tool calls
     and results included, into the tokens the agent loop would assemble for it, and only what the
     agent loop counts as actions is learned (as in supervised fine-tuning): the assistant turns,
     with the EOS of a turn that calls no tool. What the user asks and what a tool returns are read,

@@ -21,11 +21,18 @@ outcome, 1 for a game won, 0 otherwise. The scores logged are won, score (the fr
 max_score reached) and moves (commands sent), overall and per split (eval/easy/won, ...).
 
 The model writes one command per turn (the system prompt says how); the first non-empty line of
-its reply is sent, without a leading "> ", characters that do not print and backslashes. Whatever the game makes of it is the observation: a
-command it does not know is answered "That's not a verb I recognise." and costs a turn, like any
-other. Commands that would leave the game or write a file (quit, restart, restore, save, undo,
-transcript...) are not sent, wherever they are in the line (the parser runs "look. transcript" as two
-commands); the observation says so. The turn budget (rollout.max_turns) ends a game that is not won in time.
+its reply is sent, without a leading "> ", characters that do not print and backslashes. Whatever
+the game makes of it is the observation: a command it does not know is answered "That's not a verb
+I recognise." and costs a turn, like any other. Commands that would leave the game or write a file
+(quit, restart, restore, save, undo, transcript...) are not sent, wherever they are in the line (the
+parser runs "look. transcript" as two commands); the observation says so. The turn budget
+(rollout.max_turns) ends a game that is not won in time. A game file that jericho could not read
+(missing, truncated, corrupt: its interpreter would end the whole process) is refused when the
+prompts load.
+
+prepare() also writes plays of other games (the game's own policy, wandering now and then), as
+conversations and as plain-text logs: pretraining text for a tiny model, which a real model does not
+need.
 """
 
 import json
@@ -221,10 +228,10 @@ def make_one(job):
 
 def prepare(out, train_size=0, val_size=None, seed=0, source=None):
     """OUT/games/*.z8 and OUT/{train,val}.parquet: train_size (default 64) easy games to train on;
-    val_size (default 32) held-out games, half easy and half hard; and the pretraining text of make
-    demo-textworld's tiny model: PLAYS plays of each of as many other easy games as train_size, as
-    conversations (OUT/transcripts.jsonl) and as plain-text game logs (OUT/game_logs.jsonl). Seeds: train 0.., val 1,000,000..,
-    pretraining 2,000,000.., offset by 10,000 x seed."""
+    val_size (default 32) held-out games, half easy and half hard; and pretraining text for a tiny
+    model: PLAYS plays of each of as many other easy games as train_size, as conversations
+    (OUT/transcripts.jsonl) and as plain-text game logs (OUT/game_logs.jsonl). Seeds: train 0..,
+    val 1,000,000.., pretraining 2,000,000.., offset by 10,000 x seed."""
     if source is not None:
         raise ValueError("textworld generates its games; it has no --source")
     train_size, val_size = train_size or 64, 32 if val_size is None else val_size

@@ -387,11 +387,10 @@ def pretraining_rows(path, tokenizer):
     The documents of a pretraining file (.jsonl) as (token ids, loss mask) rows. A plain text
     ({"text"}) is learned whole. A passage ({"title", "text"}) is shown as the search tool shows it
     and learned whole. A conversation ({"messages"[, "tools"]}, the chat format) is rendered by the
-    model's chat template, tool calls
-    and results included, into the tokens the agent loop would assemble for it, and only what the
-    agent loop counts as actions is learned (as in supervised fine-tuning): the assistant turns,
-    with the EOS of a turn that calls no tool. What the user asks and what a tool returns are read,
-    not predicted.
+    model's chat template, tool calls and results included, into the tokens the agent loop would
+    assemble for it, and only what the agent loop counts as actions is learned (as in supervised
+    fine-tuning): the assistant turns, with the EOS of a turn that calls no tool. What the user asks
+    and what a tool returns are read, not predicted.
     """
     kind = jsonl_kind(path)
     if kind != "conversations":

@@ -35,6 +35,7 @@ conversations and as plain-text logs: pretraining text for a tiny model, which a
 need.
 """
 
+import glob
 import json
 import os
 import random
@@ -77,6 +78,12 @@ def command(action):
     return "".join(ch for ch in line if ch.isprintable() and ch != "\\").removeprefix(">").strip()[:200]
 
 
+def leaves_the_game(cmd):
+    """Whether a command would leave the game or write a file: any of its words a meta command, since
+    the parser runs "look. transcript" as two commands."""
+    return bool(META_COMMANDS & set(WORD.findall(cmd.lower())))
+
+
 class Game:
     """One game per trajectory: reset(row) starts the row's game, step(action) sends a command."""
 
@@ -94,7 +101,7 @@ class Game:
         cmd = command(action)
         if not cmd:
             return "Write one command, for example: look.", 0.0, False, {}
-        if META_COMMANDS & set(WORD.findall(cmd.lower())):
+        if leaves_the_game(cmd):
             return f"'{cmd}' is not available in this game.", 0.0, False, {}
         state, score, done = self.env.step(cmd)
         gained, self.score, self.won, self.moves = score - self.score, score, bool(state.won), self.moves + 1
@@ -184,7 +191,7 @@ def transcript(env, state, rng):
         if state.won or state.lost or not state.policy_commands:
             break
         policy = state.policy_commands[0]
-        others = [c for c in state.admissible_commands if c != policy and not META_COMMANDS & set(WORD.findall(c))]
+        others = [c for c in state.admissible_commands if c != policy and not leaves_the_game(c)]
         cmd = policy
         if others and wanders < 2 and rng.random() < WANDER:
             cmd, wanders = rng.choice(others), wanders + 1
@@ -211,14 +218,13 @@ def make_one(job):
     options.force_recompile = True
     path = compile_game(make_game(options), options)
     env = textworld.start(path, request_infos=PLAY_INFOS if split == "pretrain" else INFOS)
-    state = env.reset()
     if split == "pretrain":
         played = [transcript(env, env.reset(), random.Random(f"textworld-transcript-{seed}-{play}")) for play in range(PLAYS)]
         env.close()
-        for name in os.listdir(os.path.dirname(path)):
-            if name.startswith(f"{split}-{index:05d}."):
-                os.remove(os.path.join(os.path.dirname(path), name))
+        for name in glob.glob(os.path.splitext(path)[0] + ".*"):  # .z8, .ni, .json
+            os.remove(name)
         return played
+    state = env.reset()
     walkthrough = list(state.policy_commands)
     env.close()
     return {"id": f"{split}-{index:05d}", "type": kind, "game": os.path.relpath(path, out), "walkthrough": walkthrough,

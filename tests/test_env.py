@@ -173,7 +173,7 @@ def test_a_textworld_game_is_won_by_its_walkthrough_through_the_loop_and_engine(
     demos = scripted_trajectories(env, rows_, [r["walkthrough"] for r in rows_])
     for t, r in zip(demos, rows_):
         assert t.finish_reason == "done" and t.env.won and len(t.turn_spans) == len(r["walkthrough"])
-        assert sum(t.step_rewards) == 1.0 and t.messages[:2] == r["messages"]
+        assert sum(t.step_rewards) == pytest.approx(1.0) and t.messages[:2] == r["messages"]
     # a model that memorised the two trajectories plays them again through the engine, greedily, and wins
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     batch = [(ids, mask) for t in demos for ids, mask, _, _ in t.sequences()]
@@ -194,7 +194,7 @@ def test_a_textworld_game_is_won_by_its_walkthrough_through_the_loop_and_engine(
     for t, demo in zip(played, demos):
         assert t.response_ids == demo.response_ids and t.finish_reason == "done"
         textworld.score(t, None)
-        assert t.reward == 1.0 and t.scores == {"won": 1.0, "score": 1.0, "moves": len(demo.turn_spans)}
+        assert t.reward == 1.0 and t.scores == {"won": 1.0, "progress": 1.0, "score": 1.0, "moves": len(demo.turn_spans)}
 
 
 @torch.no_grad()
@@ -213,7 +213,11 @@ def test_textworld_commands_and_text(game_rows, tmp_path, monkeypatch):
     text = rows_[0]["messages"][1]["content"]
     assert "$$" not in text and "-= " in text and not any(line.startswith(">") for line in text.split("\n"))
     assert game.step("dance with the mop") == ("That's not a verb I recognise.", 0.0, False, {"score": 0, "won": False})
-    assert game.step("restart")[0] == "'restart' is not available in this game." and game.moves == 1
+    # the step reward is the progress along the game's plan: the only exit (west) leads away from the quest, which
+    # is all in this room (open refrigerator, take teapot from refrigerator, put teapot on chair)
+    assert [game.step(c)[1] for c in ["go west", "go east", "open refrigerator", "go north"]] == [-1 / 3, 1 / 3, 1 / 3, 0.0]
+    assert (game.remaining, game.length, game.moves) == (2, 3, 5)
+    assert game.step("restart")[0] == "'restart' is not available in this game." and game.moves == 5
     assert game.step("")[0].startswith("Write one command")
     assert textworld.command("> Open the box\nbecause I can") == "Open the box"
     assert textworld.command("open\x00 box\x1b") == "open box" and textworld.command("go\u202e east") == "go east"

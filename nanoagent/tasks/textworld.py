@@ -15,10 +15,15 @@ walkthrough and its split:
 Every game tells its objective step by step ("First, unlock the portal. Then go east..."), as
 TextWorld's games do by default.
 
-Reward: the score the game gives for a step (its points, of max_score in all; these games give
-theirs when the quest is done), as a fraction of max_score, on that turn's last token; and the
-outcome, 1 for a game won, 0 otherwise. The scores logged are won, score (the fraction of
-max_score reached) and moves (commands sent), overall and per split (eval/easy/won, ...).
+Reward: on each turn's last token, the progress the step made along the quest: how much shorter
+the game's own plan from here to the goal became (TextWorld recomputes it after every move), as a
+fraction of the plan at the start. A step towards the goal earns 1/len(walkthrough), a step away
+costs as much, a step that changes nothing earns 0; over a game they add up to the fraction of the
+way done (potential-based shaping, Ng et al. 1999: it does not change which policies are best). The
+game's own points would not do: these games give theirs only when the quest is done. And the
+outcome, 1 for a game won, 0 otherwise. The scores logged are won, progress (the fraction of the
+way done), score (the fraction of max_score reached) and moves (commands sent), overall and per
+split (eval/easy/won, ...).
 
 The model writes one command per turn (the system prompt says how); the first non-empty line of
 its reply is sent, without a leading "> ", characters that do not print and backslashes. Whatever
@@ -95,6 +100,7 @@ class Game:
         self.env = textworld.start(game_path(row, self.data_dir), request_infos=INFOS)
         state = self.env.reset()
         self.score, self.max_score, self.won, self.moves = 0, max(state.max_score, 1), False, 0
+        self.length = self.remaining = max(len(state.policy_commands), 1)  # the game's plan to the goal, from the start and from here
         return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": clean(state.feedback)}]
 
     def step(self, action):
@@ -103,11 +109,13 @@ class Game:
             return "Write one command, for example: look.", 0.0, False, {}
         if leaves_the_game(cmd):
             return f"'{cmd}' is not available in this game.", 0.0, False, {}
-        state, score, done = self.env.step(cmd)
-        gained, self.score, self.won, self.moves = score - self.score, score, bool(state.won), self.moves + 1
+        state, self.score, done = self.env.step(cmd)
+        self.won, self.moves = bool(state.won), self.moves + 1
+        remaining = 0 if self.won else len(state.policy_commands) or self.remaining  # a lost game has no plan: no progress
+        progress, self.remaining = (self.remaining - remaining) / self.length, remaining
         if done:
             self.env.close()
-        return clean(state.feedback), gained / self.max_score, done, {"score": score, "won": self.won}
+        return clean(state.feedback), progress, done, {"score": self.score, "won": self.won}
 
 
 def game_path(row, data_dir):
@@ -153,9 +161,10 @@ def prompts(cfg, split):
 
 
 def score(traj, cfg):
-    """Outcome 1 for a won game, else 0 (the score the game gave is in the step rewards)."""
+    """Outcome 1 for a won game, else 0 (the progress towards it is in the step rewards)."""
     game = traj.env
-    traj.scores = {"won": float(game.won), "score": game.score / game.max_score, "moves": float(game.moves)}
+    traj.scores = {"won": float(game.won), "progress": 1 - game.remaining / game.length, "score": game.score / game.max_score,
+                   "moves": float(game.moves)}
     traj.reward = float(game.won)
     return traj.reward
 

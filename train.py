@@ -19,7 +19,8 @@ One step, top to bottom:
      process rewards (a step's) on the last action token of their turn, (kl_mode=reward) -kl_coef * k1;
      groups without signal (grpo: all outcomes equal, no process reward) and, optionally,
      trajectories cut by a budget are left out of the update (DAPO);
-  3. the engine sleeps; the trainer recomputes old logprobs, reference logprobs and values;
+  3. the engine sleeps; the trainer recomputes old logprobs (unless the update is exactly
+     on-policy: then they come from its own forward), reference logprobs and values;
   4. advantages (algo): GAE over action tokens, or over turns with ppo.credit=step (ppo); the
      outcome against a baseline plus the process rewards still to come, unnormalised (grpo, rloo,
      reinforce); or REINFORCE++'s returns, whitened over the batch;
@@ -50,7 +51,8 @@ from nanoagent.data import check_prompts, fit_prompts, step_prompts
 from nanoagent.engine import SamplingConfig, make_engine, pad_token_id
 from nanoagent.imitation import imitate
 from nanoagent.metrics import evaluate, step_line, step_metrics
-from nanoagent.model import build_models, collate, critic_forward, forward_all, full_tensors, micro_steps, old_policy_forward, policy_forward
+from nanoagent.model import (build_models, collate, critic_forward, forward_all, full_tensors, micro_steps, old_policy_forward, policy_forward,
+                             unpack)
 from nanoagent.tasks import load_task, task_env
 from nanoagent.tiny import resolve_model
 
@@ -157,20 +159,26 @@ def optimizer_step(model, optimizer, loss_sum, grad_clip):
     return grad_norm, float(not finite)
 
 
-def ppo_epochs(models, optimizers, batch, kept, cfg, step, rank, world, device):
-    """
-    PPO epochs over mini-batches of the trajectories that train (kept: this rank's rows; a
-    trajectory's rows, one or one per turn, stay in one mini-batch): the critic's step, then the
-    policy's (after the critic's warm-up). Every rank takes the same number of optimizer steps,
-    ceil(kept trajectories of all ranks / mini_batch_size), because each is a collective: a rank
-    left with no rows runs zero-weight passes. Returns the policy's and the critic's
-    [(shares, globals)] (see update_policy).
-    """
-    rows_of = {}  # trajectory -> its kept rows
+def mini_batching(batch, kept, cfg):
+    """({trajectory: its kept rows}, the number of mini-batches): every rank takes the same number of
+    optimizer steps, ceil(kept trajectories of all ranks / mini_batch_size), because each is a
+    collective. kept: this rank's rows that train."""
+    rows_of = {}
     for row in kept:
         rows_of.setdefault(batch["trajectory"][row].item(), []).append(row)
     [total] = all_reduce([len(rows_of)])
-    n_mini = math.ceil(total / cfg.ppo.mini_batch_size)
+    return rows_of, math.ceil(total / cfg.ppo.mini_batch_size)
+
+
+def ppo_epochs(models, optimizers, batch, rows_of, n_mini, policy_moves, on_policy, cfg, step, rank, world, device):
+    """
+    PPO epochs over n_mini mini-batches of the trajectories that train (rows_of: this rank's; a
+    trajectory's rows, one or one per turn, stay in one mini-batch): the critic's step, then the
+    policy's (policy_moves: not during the critic's warm-up). A rank left with no rows runs
+    zero-weight passes.
+    on_policy: the policy's update fills batch's old logprobs (see update_policy). Returns the
+    policy's and the critic's [(shares, globals)] (see update_policy).
+    """
     policy_updates, critic_updates = [], []
     order_rng = random.Random(f"{cfg.seed}-{step}-{rank}")
     for epoch in range(cfg.ppo.epochs):
@@ -180,28 +188,40 @@ def ppo_epochs(models, optimizers, batch, kept, cfg, step, rank, world, device):
             rows = [row for i in order[m * len(order) // n_mini:(m + 1) * len(order) // n_mini] for row in rows_of[i]]
             if "critic" in models:
                 critic_updates.append(update_critic(models["critic"], optimizers["critic"], batch, rows, cfg, world, device))
-            if cfg.algo != "ppo" or step >= cfg.ppo.critic_warmup_steps:
-                policy_updates.append(update_policy(models["policy"], optimizers["policy"], batch, rows, cfg, world, device))
+            if policy_moves:
+                policy_updates.append(update_policy(models["policy"], optimizers["policy"], batch, rows, on_policy, cfg, world, device))
     return policy_updates, critic_updates
 
 
-def update_policy(policy, optimizer, batch, rows, cfg, world, device):
+def update_policy(policy, optimizer, batch, rows, on_policy, cfg, world, device):
     """
-    One optimizer step of the policy on a mini-batch (row indices of this rank). Returns
-    (shares, globals): this rank's share of each loss statistic (they add up over ranks to the
-    mini-batch's value) and the values every rank already agrees on (grad norm, skipped).
+    One optimizer step of the policy on a mini-batch (row indices of this rank), over packed
+    micro-batches with the LM head on the action tokens only. on_policy: this is the step's only
+    update (one epoch, one mini-batch), so the old logprobs are this forward's, detached (the ratio
+    is 1), and are written into batch["old_logprobs"] and batch["nucleus_logprobs"] for what reads
+    them after (KL, engine_logprob_diff); no pass before the update computed them. Returns (shares,
+    globals): this rank's share of each loss statistic (they add up over ranks to the mini-batch's
+    value) and the values every rank already agrees on (grad norm, skipped).
     """
     global_tokens, global_units, unit_tokens = rl.unit_counts(batch["action_mask"], loss_units(batch, cfg), rows, all_reduce)
     shares = {"pg_loss": 0.0, "clipfrac": 0.0, "approx_kl": 0.0, "entropy": 0.0, "kl_loss": 0.0}
     for idx, get in micro_steps({**batch, "unit_tokens": unit_tokens}, rows, cfg.train.micro_batch_tokens, device):
-        mask = get("action_mask") * (1.0 if idx else 0.0)
-        logprobs, entropy = policy_forward(policy, get("input_ids"), get("attention_mask"), cfg.rollout.temperature)
+        actions = get("action_mask")
+        mask = actions * (1.0 if idx else 0.0)
+        logprobs, entropy, nucleus = policy_forward(policy, get("input_ids"), get("position_ids"), actions > 0, cfg.rollout.temperature,
+                                                    cfg.rollout.top_p if on_policy else None)
+        if on_policy:
+            old_logprobs = logprobs.detach()
+            unpack(old_logprobs, idx, batch["lengths"], batch["old_logprobs"])
+            unpack(nucleus, idx, batch["lengths"], batch["nucleus_logprobs"])
+        else:
+            old_logprobs = get("old_logprobs")
         # GSPO: one ratio per row (ppo.ratio=sequence) or per step
-        segments = None if cfg.ppo.ratio == "token" else get("step") if cfg.ppo.ratio == "step" else torch.arange(len(mask))[:, None].expand_as(mask)
-        per_token, pg_stats = rl.ppo_policy_loss(logprobs, get("old_logprobs"), get("advantages"), mask, cfg.ppo.clip_low,
+        segments = None if cfg.ppo.ratio == "token" else get("step") if cfg.ppo.ratio == "step" else get("row")
+        per_token, pg_stats = rl.ppo_policy_loss(logprobs, old_logprobs, get("advantages"), mask, cfg.ppo.clip_low,
                                                  cfg.ppo.clip_high, cfg.ppo.clip_dual, segments)
         if cfg.train.tis:  # the engine sampled from a slightly different distribution than the trainer computes
-            per_token = per_token * rl.truncated_is_weights(get("old_logprobs"), get("rollout_logprobs"), mask, cfg.train.tis_cap)
+            per_token = per_token * rl.truncated_is_weights(old_logprobs, get("rollout_logprobs"), mask, cfg.train.tis_cap)
         if cfg.train.kl_mode == "loss":
             kl = rl.kl_penalty(logprobs, get("ref_logprobs"), "k3")
             per_token = per_token + cfg.train.kl_coef * kl
@@ -226,8 +246,9 @@ def update_critic(critic, optimizer, batch, rows, cfg, world, device):
     global_tokens, global_units, unit_tokens = rl.unit_counts(batch["value_mask"], loss_units(batch, cfg), rows, all_reduce)
     shares = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
     for idx, get in micro_steps({**batch, "unit_tokens": unit_tokens}, rows, cfg.train.micro_batch_tokens, device):
-        mask = get("value_mask") * (1.0 if idx else 0.0)
-        values = critic_forward(critic, get("input_ids"), get("attention_mask"))
+        read = get("value_mask")
+        mask = read * (1.0 if idx else 0.0)
+        values = critic_forward(critic, get("input_ids"), get("position_ids"), read > 0)
         per_token, vf_stats = rl.clipped_value_loss(values, get("values"), get("returns"), mask, cfg.ppo.value_clip)
         loss = rl.aggregate_loss(per_token, mask, cfg.train.loss_agg, global_tokens, global_units, get("unit_tokens"))
         (loss * world).backward()
@@ -326,24 +347,32 @@ def main(argv=None):
         mask = batch["action_mask"] = batch["action_mask"] * keep[owner][:, None]
         rewards, process = rewards * mask, process * mask
         t1 = time.perf_counter()
-        # 3. old logprobs (recomputed by the trainer), reference logprobs and KL
-        # (with the trainer's logprobs renormalised over the top_p nucleus, as the engine reports them: engine_logprob_diff)
-        old = forward_all(lambda i, a: old_policy_forward(policy, i, a, cfg.rollout.temperature, cfg.rollout.top_p), batch, kept,
-                          cfg.train.micro_batch_tokens, device, per_token=(2,)) * mask[..., None]
-        batch["old_logprobs"], batch["nucleus_logprobs"] = old.unbind(-1)
-        kl = None
+        # 3. old logprobs recomputed by the trainer (with those renormalised over the top_p nucleus, as the engine reports
+        # them: engine_logprob_diff), unless the update is exactly on-policy: one epoch of one mini-batch, and no KL in the
+        # reward (which needs them now); then the update's own forward gives them. Reference logprobs. Every forward pass
+        # runs over packed micro-batches of the kept rows, its LM head over the action tokens only.
+        rows_of, n_mini = mini_batching(batch, kept, cfg)
+        policy_moves = cfg.algo != "ppo" or step >= cfg.ppo.critic_warmup_steps
+        on_policy = cfg.ppo.epochs == 1 and n_mini <= 1 and cfg.train.kl_mode != "reward" and policy_moves
+        actions = lambda get: get("action_mask") > 0  # noqa: E731  (where a logprob or value is read)
+        if on_policy:
+            batch["old_logprobs"], batch["nucleus_logprobs"] = torch.zeros_like(mask), torch.zeros_like(mask)
+        else:
+            old = forward_all(lambda get: old_policy_forward(policy, get("input_ids"), get("position_ids"), actions(get), cfg.rollout.temperature,
+                                                             cfg.rollout.top_p), batch, kept, cfg.train.micro_batch_tokens, device, per_token=(2,))
+            batch["old_logprobs"], batch["nucleus_logprobs"] = old.unbind(-1)
         if ref is not None:
-            batch["ref_logprobs"] = forward_all(lambda i, a: policy_forward(ref, i, a, cfg.rollout.temperature)[0], batch, kept,
-                                                cfg.train.micro_batch_tokens, device) * mask
-            kl = rl.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], "k1") * mask
-            if cfg.train.kl_mode == "reward":  # ppo and reinforce_plus_plus(_baseline) only (config.validate): k1 on every action token
-                rewards = rewards - cfg.train.kl_coef * kl
+            batch["ref_logprobs"] = forward_all(lambda get: policy_forward(ref, get("input_ids"), get("position_ids"), actions(get),
+                                                                           cfg.rollout.temperature)[0], batch, kept, cfg.train.micro_batch_tokens, device)
+        if cfg.train.kl_mode == "reward":  # ppo and reinforce_plus_plus(_baseline) only (config.validate): k1 on every action token
+            rewards = rewards - cfg.train.kl_coef * rl.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], "k1") * mask
         t2 = time.perf_counter()
         # 4. advantages (algo): GAE over the critic's values, per action token or per turn (ppo); the outcome against a
         # baseline (grpo: its group's mean and std; rloo: the mean of its group's others; reinforce: the batch mean), plus the
         # process rewards still to come; REINFORCE++: discounted token returns, or the summed reward minus its group's mean
         if cfg.algo == "ppo":
-            values = forward_all(lambda i, a: critic_forward(critic, i, a), batch, kept, cfg.train.micro_batch_tokens, device)
+            values = forward_all(lambda get: critic_forward(critic, get("input_ids"), get("position_ids"), actions(get)), batch, kept,
+                                 cfg.train.micro_batch_tokens, device)
             if cfg.ppo.credit == "token":  # a value per action token
                 batch["value_mask"], batch["values"] = mask, values * mask
                 advantages, batch["returns"] = rl.masked_gae(rewards, batch["values"], mask, cfg.ppo.gamma, cfg.ppo.lam)
@@ -368,7 +397,8 @@ def main(argv=None):
             advantages = rl.outcome_token_advantages(baselined, process, mask, batch["steps"])
         batch["advantages"] = advantages
         # 5. PPO epochs over mini-batches of the kept trajectories: critic, then policy (after the critic's warm-up)
-        policy_updates, critic_updates = ppo_epochs(models, optimizers, batch, kept, cfg, step, rank, world, device)
+        policy_updates, critic_updates = ppo_epochs(models, optimizers, batch, rows_of, n_mini, policy_moves, on_policy, cfg, step, rank, world, device)
+        kl = rl.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], "k1") * mask if ref is not None else None  # logged
         t3 = time.perf_counter()
         # 6. the new weights into the engine; one line of metrics
         engine.wake(["weights"])

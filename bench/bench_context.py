@@ -7,7 +7,7 @@ What a context per step (rollout.context=last_k) costs the trainer against the o
 Trajectories of random tokens shaped like a search agent's (a 256-token prompt, 64-token actions,
 256-token tool observations) go through the trainer's own collate; for each number of turns the
 bench counts the tokens the trainer scores and the longest row, and times the policy's forward and
-backward over them (micro-batches of train.micro_batch_tokens, the median of several passes).
+backward over them (packed micro-batches of train.micro_batch_tokens, the median of several passes).
 With the full context a trajectory is one row of P + n (a + o) tokens; with last_k each turn is a
 row of its own, P + min(k, K) (a + o) + a tokens, so every turn scores its prompt and kept turns
 again: more tokens, in exchange for a row (and an engine context) that stops growing after K turns.
@@ -22,7 +22,7 @@ sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 from nanoagent import rl  # noqa: E402
 from nanoagent.agent import Trajectory  # noqa: E402
 from nanoagent.common import median_time  # noqa: E402
-from nanoagent.model import collate, load_causal_lm, micro_batches, policy_forward  # noqa: E402
+from nanoagent.model import collate, load_causal_lm, micro_batches, pack, policy_forward  # noqa: E402
 from nanoagent.tiny import ensure_tiny_model  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -49,10 +49,9 @@ def update_time(model, batch):
     """Forward and backward of the policy loss over the batch's rows, micro-batch by micro-batch."""
     def run():
         for idx in micro_batches(batch["lengths"], MICRO_BATCH_TOKENS):
-            width = max(batch["lengths"][i] for i in idx)
-            ids, attention = batch["input_ids"][idx, :width].to(DEVICE), batch["attention_mask"][idx, :width].to(DEVICE)
-            mask = batch["action_mask"][idx, :width].to(DEVICE)
-            logprobs, _ = policy_forward(model, ids, attention)
+            get = lambda key: pack(batch, key, idx, DEVICE)  # noqa: E731
+            mask = get("action_mask")
+            logprobs, _, _ = policy_forward(model, get("input_ids"), get("position_ids"), mask > 0)
             loss, _ = rl.ppo_policy_loss(logprobs, logprobs.detach(), torch.ones_like(mask), mask)
             rl.aggregate_loss(loss, mask, "token_mean", batch["action_mask"].sum(), None).backward()
         model.zero_grad(set_to_none=True)

@@ -7,7 +7,8 @@ Memory of the trainer (prints figures; asserts nothing).
 
 1. Logprobs, per micro-batch token. A random-weight model with Qwen2.5's vocabulary (151,936) and a
    small body, computing in bf16: the peak extra memory of one forward + policy-loss backward
-   through nanoagent.model.policy_forward, against the textbook way (slice the logits, divide by
+   through nanoagent.model.policy_forward (packed rows, every token but the first of each row an
+   action: the most logits there can be; fewer actions, fewer logits), against the textbook way (slice the logits, divide by
    the temperature, fp32 log_softmax, gather, entropy) as a baseline in the same script. Measured
    at two micro-batch sizes in fresh processes (peak RSS on a CPU, max allocated on a GPU); the
    slope is the cost per token, also given in bf16 logits rows (2 x V bytes): the logits
@@ -61,12 +62,15 @@ def logprob_peak(variant, rows, width):
     config = Qwen2Config(vocab_size=QWEN_VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                          num_key_value_heads=1, head_dim=64, tie_word_embeddings=True)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(device=device, dtype=torch.bfloat16).train()
-    forward = nanoagent_model.policy_forward if variant == "nanoagent" else unfused_logprobs
+    model = Qwen2ForCausalLM._from_config(config, attn_implementation=nanoagent_model.PACKED if variant == "nanoagent" else "sdpa")
+    model = model.to(device=device, dtype=torch.bfloat16).train()
 
     def step(ids):
-        attn = torch.ones_like(ids)
-        logprobs, _ = forward(model, ids, attn, 0.7)
+        if variant == "nanoagent":  # the rows packed, every token but each row's first an action (the most logits there can be)
+            positions = torch.arange(ids.shape[1], device=device).repeat(ids.shape[0])[None]
+            logprobs = nanoagent_model.policy_forward(model, ids.flatten()[None], positions, positions > 0, 0.7)[0]
+        else:
+            logprobs, _ = unfused_logprobs(model, ids, torch.ones_like(ids), 0.7)
         (-logprobs.sum()).backward()  # entropy_coef = 0: the entropy is only logged
         model.zero_grad(set_to_none=True)
     step(torch.randint(0, QWEN_VOCAB, (1, 8), device=device))  # kernels, allocator and gradients warmed on a tiny batch

@@ -3,14 +3,25 @@ Training speed (prints figures; asserts nothing).
 
     python bench/bench_train.py                 # CPU: the tiny config end to end, time per phase (grpo, ppo, ppo.credit=step,
                                                 #   each turn with its own context: rollout.context=last_k)
+    python bench/bench_train.py --packing       # CPU or GPU: the update's tokens/s, packed against padded, in one process
     python bench/bench_train.py --update-only   # GPU: update tokens/s and MFU, Qwen2.5-1.5B shape
 
 1. End to end (CPU or GPU): runs train.py on the tiny preset for a few steps in a subprocess and
    reports, from its metrics.jsonl, the median time of each phase (rollout, logprob/value
    passes, update, weight push) and tokens/s, skipping the first step (engine warm-up).
-2. Update only (GPU): a Qwen2.5-1.5B-shaped model with random weights, FSDP2 on one GPU, bf16
-   compute: forward + backward of the policy loss over micro-batches of random tokens; tokens/s
-   and MFU = 6 * params * tokens/s / peak bf16 FLOP/s (H100 SXM dense: 989e12).
+2. Packing: the policy's forward + backward over a batch of rows, the trainer's way (packed
+   micro-batches, the LM head on the action tokens only: nanoagent.model) against the way it was
+   before (rows right-padded to the longest of micro-batches of rows x longest <= the budget, the
+   LM head and log-softmax over every position, transformers' sdpa attention with a padding mask),
+   the same weights, the median of several passes each. Two batches: (a) shaped like the tiny
+   preset's trajectories (prompt 200-260 tokens, 1-3 turns of a 20-48-token action and a 60-128-token
+   tool result), (b) a long-tailed multi-turn mix (a median row of ~400 tokens, one row in ten 8x
+   that, 60% of the tokens observations). Each with the tiny model's own vocabulary and with
+   Qwen2.5's (151,936 rows: there the LM head is most of the work). Reports real tokens/s, the
+   padding fraction (padded positions computed / real tokens) and the ratio.
+3. Update only (GPU): a Qwen2.5-1.5B-shaped model with random weights, FSDP2 on one GPU, bf16
+   compute: forward + backward of the policy loss over packed micro-batches of random tokens;
+   tokens/s and MFU = 6 * params * tokens/s / peak bf16 FLOP/s (H100 SXM dense: 989e12).
 """
 
 import argparse
@@ -49,6 +60,88 @@ def end_to_end(steps, algo, nproc, credit="token", context="full"):
           f"{statistics.median(r['tokens_per_s'] * r['time/step'] for r in rows):.0f} tokens per step")
 
 
+def shaped_batch(kind, rows, vocab, seed=0):
+    """(token rows, action masks) of a batch shaped as in the docstring: (a) "tiny" or (b) "long_tail"."""
+    import random
+    rng = random.Random(seed)
+    ids = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
+    out = []
+    for r in range(rows):
+        if kind == "tiny":
+            tokens, mask = ids(rng.randint(200, 260)), None
+            mask = [0] * len(tokens)
+            for turn in range(rng.randint(1, 3)):
+                action = rng.randint(20, 48)
+                tokens, mask = tokens + ids(action), mask + [1] * action
+                if turn < 2:
+                    observation = rng.randint(60, 128)
+                    tokens, mask = tokens + ids(observation), mask + [0] * observation
+        else:  # a prompt, then turns of 40% action, 60% observation; one row in ten 8x as long
+            length = rng.randint(300, 500) * (8 if r % 10 == 9 else 1)
+            tokens, mask = ids(60), [0] * 60
+            while len(tokens) < length:
+                tokens, mask = tokens + ids(40) + ids(60), mask + [1] * 40 + [0] * 60
+        out.append((tokens, mask))
+    return [t for t, _ in out], [m for _, m in out]
+
+
+def packing(budget=8192):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nanoagent import rl
+    from nanoagent.common import median_time
+    from nanoagent.model import PACKED, micro_batches, pack, pad_rows, policy_forward
+    from nanoagent.tiny import build_tiny_model
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def padded_micro_batches(lengths):  # before packing: rows x longest <= budget, longest first
+        order, batches, current = sorted(range(len(lengths)), key=lambda i: -lengths[i]), [], []
+        for i in order:
+            if current and (len(current) + 1) * lengths[current[0]] > budget:
+                batches.append(current)
+                current = []
+            current.append(i)
+        return batches + [current]
+
+    def padded_pass(model, rows, masks):
+        for idx in padded_micro_batches([len(r) for r in rows]):
+            ids = pad_rows([rows[i] for i in idx], 0).to(device)
+            attention = pad_rows([[1] * len(rows[i]) for i in idx], 0).to(device)
+            mask = pad_rows([masks[i] for i in idx], 0, torch.float32).to(device)
+            logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits              # [b, l, V]
+            logprobs, _ = rl.logprobs_and_entropy(logits, ids.roll(-1, 1))
+            logprobs = torch.cat([logprobs.new_zeros(len(idx), 1), logprobs[:, :-1]], 1)
+            (-(logprobs * mask).sum() / mask.sum()).backward()
+        model.zero_grad(set_to_none=True)
+
+    def packed_pass(model, batch):
+        for idx in micro_batches(batch["lengths"], budget):
+            get = lambda key: pack(batch, key, idx, device)  # noqa: E731
+            mask = get("action_mask")
+            logprobs = policy_forward(model, get("input_ids"), get("position_ids"), mask > 0)[0]
+            (-(logprobs * mask).sum() / mask.sum()).backward()
+        model.zero_grad(set_to_none=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for vocab, n_rows in (("tiny", 64), ("qwen", 16)):
+            path = build_tiny_model(os.path.join(tmp, vocab), vocab=vocab)
+            padded = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").to(device).train()
+            packed = AutoModelForCausalLM.from_pretrained(path, attn_implementation=PACKED).to(device).train()
+            for kind in ("tiny", "long_tail"):
+                rows, masks = shaped_batch(kind, n_rows, padded.config.vocab_size)
+                lengths = [len(r) for r in rows]
+                batch = {"input_ids": pad_rows(rows, 0), "position_ids": pad_rows([range(n) for n in lengths], 0),
+                         "action_mask": pad_rows(masks, 0, torch.float32), "lengths": lengths}
+                tokens = sum(lengths)
+                computed = sum(len(b) * lengths[b[0]] for b in padded_micro_batches(lengths))
+                before, after = median_time(lambda: padded_pass(padded, rows, masks), 3), median_time(lambda: packed_pass(packed, batch), 3)
+                print(f"{kind:>9} batch, vocab {vocab} ({padded.config.vocab_size}), {n_rows} rows, {tokens} tokens "
+                      f"({sum(map(sum, masks)) / tokens:.0%} actions, longest {max(lengths)}), budget {budget}: padded {tokens / before:,.0f} "
+                      f"tokens/s (padding {computed / tokens - 1:.0%}), packed {tokens / after:,.0f} tokens/s (padding 0%): {before / after:.2f}x",
+                      flush=True)
+
+
 def update_only(micro_tokens=16384, seq_len=2048, steps=5):
     import torch
     import torch.distributed as dist
@@ -56,24 +149,24 @@ def update_only(micro_tokens=16384, seq_len=2048, steps=5):
 
     from nanoagent import rl
     from nanoagent.common import init_distributed
-    from nanoagent.model import policy_forward, shard
+    from nanoagent.model import PACKED, policy_forward, shard
     _, world, device = init_distributed()
     config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True)
     with torch.device(device):
-        model = Qwen2ForCausalLM(config)
+        model = Qwen2ForCausalLM._from_config(config, attn_implementation=PACKED)
     n_params = sum(p.numel() for p in model.parameters())
     model = shard(model, torch.bfloat16, activation_checkpointing=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     rows = micro_tokens // seq_len
-    ids = torch.randint(0, config.vocab_size, (rows, seq_len), device=device)
-    attn = torch.ones_like(ids)
-    mask = torch.ones(rows, seq_len, device=device)
+    ids = torch.randint(0, config.vocab_size, (1, rows * seq_len), device=device)   # rows packed end to end
+    positions = torch.arange(seq_len, device=device).repeat(rows)[None]
+    mask = (positions > 0).float()  # every token an action but each row's first: the LM head on all of them
     times = []
     for step in range(steps + 1):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        logprobs, _ = policy_forward(model, ids, attn)
+        logprobs = policy_forward(model, ids, positions, mask > 0)[0]
         loss, _ = rl.ppo_policy_loss(logprobs, logprobs.detach(), torch.randn_like(mask), mask)
         (rl.aggregate_loss(loss, mask, "token_mean", mask.sum(), rows) * world).backward()
         opt.step()
@@ -96,10 +189,13 @@ def update_only(micro_tokens=16384, seq_len=2048, steps=5):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--update-only", action="store_true")
+    parser.add_argument("--packing", action="store_true")
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
     if args.update_only:
         update_only()
+    elif args.packing:
+        packing()
     else:
         for algo, credit, context in (("grpo", "token", "full"), ("grpo", "token", "last_k"), ("ppo", "token", "full"),
                                       ("ppo", "step", "full"), ("ppo", "step", "last_k")):

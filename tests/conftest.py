@@ -11,6 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 import procs  # noqa: E402
 from nanoagent.tiny import build_tiny_model  # noqa: E402
@@ -33,3 +34,12 @@ def tiny_model_dir(tmp_path_factory):
 def qwen_model_dir(tmp_path_factory):
     """The tiny model under Qwen2.5's real tokenizer and 151,936-row embedding."""
     return build_tiny_model(str(tmp_path_factory.mktemp("qwen_model")), vocab="qwen")
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """A world of one (gloo) in this process: FSDP2, the loaders and the micro-batches kept in step
+    across ranks need a process group."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{procs.free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -1,9 +1,10 @@
 """
 Run under torchrun (gloo): the gradient of one PPO update of the trainer (train.ppo_epochs) on a
-fixed batch, with FSDP2 over WORLD_SIZE ranks and micro-batches under `--micro-tokens`, training on
-the rows in `--keep` (all by default; rank r holds rows r, r + WORLD_SIZE, ...); rank 0 saves the
-full gradient and the logged metrics. tests/test_distributed.py compares them with grad_of, a plain
-single-process computation of the same loss.
+fixed batch, with FSDP2 over WORLD_SIZE ranks and packed micro-batches under `--micro-tokens`,
+training on the rows in `--keep` (all by default; rank r holds rows r, r + WORLD_SIZE, ...); with
+`--on-policy` the old logprobs come from the update's own forward. Rank 0 saves the full gradient,
+the logged metrics and the old logprobs. tests/test_distributed.py compares them with grad_of, the
+same loss computed as before packing (tests/padded.py: padded rows, logits everywhere), unsharded.
 """
 
 import argparse
@@ -13,36 +14,35 @@ import sys
 import torch
 import torch.distributed as dist
 
+import padded
 from nanoagent import rl
 from nanoagent.common import exit_now, reduce_metrics
-from nanoagent.model import load_causal_lm, pad_rows, policy_forward, shard
+from nanoagent.model import load_causal_lm, pad_rows, shard
 
 
 def batch(vocab, n=8, seed=0):
     g = torch.Generator().manual_seed(seed)
-    lengths = [int(x) for x in torch.randint(6, 20, (n,), generator=g)]
+    lengths = [int(x) for x in torch.randint(4, 60, (n,), generator=g)]
     rows = [torch.randint(3, vocab, (L,), generator=g).tolist() for L in lengths]
     masks = [[0] * 3 + (torch.rand(L - 3, generator=g) > 0.3).long().tolist() for L in lengths]
     advantages = [torch.randn(L, generator=g).tolist() for L in lengths]
     return rows, masks, advantages
 
 
-def grad_of(model, rows, masks, advantages, indices, micro, global_tokens):
-    """Reference: the token-mean PPO loss written out directly, unsharded, in micro-batches of rows.
-    Accumulates the gradient into the model and returns the loss."""
-    total = 0.0
-    for s in range(0, len(indices), micro):
-        idx = indices[s:s + micro]
-        ids = pad_rows([rows[i] for i in idx], 0)
-        attn = pad_rows([[1] * len(rows[i]) for i in idx], 0)
-        mask = pad_rows([masks[i] for i in idx], 0, torch.float32)
-        adv = pad_rows([advantages[i] for i in idx], 0.0, torch.float32)
-        logprobs, _ = policy_forward(model, ids, attn)
-        loss, _ = rl.ppo_policy_loss(logprobs, logprobs.detach() - 0.1, adv, mask)
-        loss = rl.aggregate_loss(loss, mask, "token_mean", global_tokens, None)
-        loss.backward()
-        total += loss.item()
-    return total
+def old_logprobs(logprobs, on_policy):
+    """The old logprobs of the update: the current ones (on-policy: ratio 1), or 0.1 below them."""
+    return logprobs.detach() if on_policy else logprobs.detach() - 0.1
+
+
+def grad_of(plain, rows, masks, advantages, indices, global_tokens, on_policy=False):
+    """Reference: the token-mean PPO loss of the rows `indices` written out directly over padded
+    rows, unsharded. Accumulates the gradient into the plain model and returns the loss."""
+    logprobs = padded.logprobs(plain, [rows[i] for i in indices])[0]
+    mask = pad_rows([masks[i] for i in indices], 0, torch.float32)
+    loss, _ = rl.ppo_policy_loss(logprobs, old_logprobs(logprobs, on_policy), pad_rows([advantages[i] for i in indices], 0.0, torch.float32), mask)
+    loss = rl.aggregate_loss(loss, mask, "token_mean", global_tokens, None)
+    loss.backward()
+    return loss.item()
 
 
 def main():
@@ -53,6 +53,7 @@ def main():
     parser.add_argument("--micro-tokens", type=int, required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--keep", type=int, nargs="*", default=None, help="the rows that train (default: all)")
+    parser.add_argument("--on-policy", action="store_true")
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import train
@@ -62,21 +63,25 @@ def main():
     cfg = make_config("tiny", ["algo=grpo", f"train.micro_batch_tokens={args.micro_tokens}", "train.grad_clip=1e9"])
     model = load_causal_lm(args.model)
     rows, masks, advantages = batch(model.config.vocab_size)
-    ids, attn = pad_rows(rows, 0), pad_rows([[1] * len(r) for r in rows], 0)
+    data = {**padded.batch_of(rows, masks), "advantages": pad_rows(advantages, 0.0, torch.float32)}  # a row per trajectory
+    zeros = torch.zeros_like(data["action_mask"])
     with torch.no_grad():
-        old = policy_forward(model, ids, attn)[0] - 0.1  # the same old logprobs grad_of uses
-    data = {"input_ids": ids, "attention_mask": attn, "action_mask": pad_rows(masks, 0, torch.float32),
-            "advantages": pad_rows(advantages, 0.0, torch.float32), "old_logprobs": old, "lengths": [len(r) for r in rows],
-            "trajectory": torch.arange(len(rows))}  # a row per trajectory
+        data["old_logprobs"] = zeros.clone() if args.on_policy else old_logprobs(padded.logprobs(padded.plain_lm(args.model), rows)[0], False)
+    data["nucleus_logprobs"] = zeros.clone()
     shard(model)
     before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     kept = [i for i in range(rank, len(rows), world) if args.keep is None or i in args.keep]
-    [(shares, _)], _ = train.ppo_epochs({"policy": model}, {"policy": optimizer}, data, kept, cfg, 0, rank, world, torch.device("cpu"))
+    rows_of, n_mini = train.mini_batching(data, kept, cfg)
+    assert n_mini == 1
+    [(shares, _)], _ = train.ppo_epochs({"policy": model}, {"policy": optimizer}, data, rows_of, n_mini, True, args.on_policy, cfg, 0, rank,
+                                        world, torch.device("cpu"))
     grads = {n: before[n] - p.full_tensor() for n, p in model.named_parameters()}
     metrics = reduce_metrics(shares, {})  # what train.py logs
+    old = data["old_logprobs"].clone()
+    dist.all_reduce(old)  # each rank wrote its own rows' (on-policy)
     if rank == 0:
-        torch.save({"grads": grads, "metrics": metrics}, args.out)
+        torch.save({"grads": grads, "metrics": metrics, "old_logprobs": old}, args.out)
     dist.barrier()
 
 

@@ -9,52 +9,63 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+import padded
 import procs
 from dist_grad import batch, grad_of
 from dist_whiten import batch as whiten_batch
 from nanoagent import rl
-from nanoagent.model import load_causal_lm
+from nanoagent.model import load_causal_lm, pad_rows
 
 pytestmark = pytest.mark.slow
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def torchrun_grad(model_dir, nproc, micro_tokens, out, keep=None):
+def torchrun_grad(model_dir, nproc, micro_tokens, out, keep=None, on_policy=False):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={procs.free_port()}",
            os.path.join(HERE, "dist_grad.py"), "--model", model_dir, "--micro-tokens", str(micro_tokens), "--out", str(out),
-           *(["--keep", *map(str, keep)] if keep is not None else [])]
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE), "OMP_NUM_THREADS": "1"}
+           *(["--keep", *map(str, keep)] if keep is not None else []), *(["--on-policy"] if on_policy else [])]
+    env = {**os.environ, "PYTHONPATH": HERE + os.pathsep + os.path.dirname(HERE), "OMP_NUM_THREADS": "1"}
     proc = procs.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
 
 
-def test_fsdp2_gradient_matches_single_process(tiny_model_dir, tmp_path):
-    model = load_causal_lm(tiny_model_dir)
-    rows, masks, advantages = batch(model.config.vocab_size)
-    loss = grad_of(model, rows, masks, advantages, list(range(len(rows))), 8, sum(sum(m) for m in masks))
-    reference = {n: p.grad for n, p in model.named_parameters()}
-    # small token budgets give the ranks different numbers of micro-batches; the three runs go side by side
-    runs = [(1, 10_000), (2, 25), (2, 60)]
-    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
-        outs = pool.map(lambda run: torchrun_grad(tiny_model_dir, *run, tmp_path / f"g{run[0]}_{run[1]}.pt"), runs)
-    for (nproc, micro_tokens), out in zip(runs, outs):
+def test_fsdp2_gradient_of_packed_micro_batches_matches_the_padded_rows_in_one_process(tiny_model_dir, tmp_path):
+    """fp32: one policy update over packed micro-batches (the LM head on the action tokens only), on 1
+    and 2 ranks, has the gradient and loss of the padded computation in one process; and on-policy
+    (old logprobs from the update's own forward), the gradient and old logprobs of ratio 1."""
+    rows, masks, advantages = batch(load_causal_lm(tiny_model_dir).config.vocab_size)
+    references = {}
+    for on_policy in (False, True):
+        plain = padded.plain_lm(tiny_model_dir)
+        loss = grad_of(plain, rows, masks, advantages, list(range(len(rows))), sum(sum(m) for m in masks), on_policy)
+        references[on_policy] = loss, {n: p.grad for n, p in plain.named_parameters()}
+    # small token budgets give the ranks different numbers of micro-batches; the runs go side by side
+    runs = [(1, 10_000, False), (2, 50, False), (2, 120, False), (2, 50, True)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        outs = pool.map(lambda run: torchrun_grad(tiny_model_dir, run[0], run[1], tmp_path / f"g{run}.pt", on_policy=run[2]), runs)
+    for (nproc, micro_tokens, on_policy), out in zip(runs, outs):
+        loss, reference = references[on_policy]
         assert out["grads"].keys() == reference.keys()
         for name, g in out["grads"].items():
             torch.testing.assert_close(g, reference[name], atol=2e-6, rtol=1e-4, msg=f"{name} nproc={nproc} micro_tokens={micro_tokens}")
         # the logged loss is the global loss, not one rank's share of it
         assert out["metrics"]["pg_loss"] == pytest.approx(loss, rel=1e-5), (nproc, micro_tokens)
+        if on_policy:  # the update wrote the old logprobs it used: the current ones, on the action tokens
+            with torch.no_grad():
+                current = padded.logprobs(padded.plain_lm(tiny_model_dir), rows)[0] * pad_rows(masks, 0, torch.float32)
+            torch.testing.assert_close(out["old_logprobs"], current, atol=1e-5, rtol=1e-5)
 
 
 def test_a_rank_left_with_no_rows_trains_on_the_others(tiny_model_dir, tmp_path):
     """Dropped trajectories (uniform groups, overlong) leave rank 1 with nothing to train on: it
     still runs every collective, and the update is the one of the kept rows alone."""
-    model = load_causal_lm(tiny_model_dir)
-    rows, masks, advantages = batch(model.config.vocab_size)
+    plain = padded.plain_lm(tiny_model_dir)
+    rows, masks, advantages = batch(plain.config.vocab_size)
     keep = [0, 2, 4]  # rank 0 holds rows 0, 2, 4, 6; rank 1 holds 1, 3, 5, 7
-    loss = grad_of(model, rows, masks, advantages, keep, 8, sum(sum(masks[i]) for i in keep))
-    reference = {n: p.grad for n, p in model.named_parameters()}
-    out = torchrun_grad(tiny_model_dir, 2, 25, tmp_path / "kept.pt", keep)
+    loss = grad_of(plain, rows, masks, advantages, keep, sum(sum(masks[i]) for i in keep))
+    reference = {n: p.grad for n, p in plain.named_parameters()}
+    out = torchrun_grad(tiny_model_dir, 2, 50, tmp_path / "kept.pt", keep)
     for name, g in out["grads"].items():
         torch.testing.assert_close(g, reference[name], atol=2e-6, rtol=1e-4, msg=name)
     assert out["metrics"]["pg_loss"] == pytest.approx(loss, rel=1e-5)

@@ -80,17 +80,18 @@ def random_prompts(n, vocab, seed=0):
 
 @torch.no_grad()
 def trainer_view(model, prompts, gens, temperature):
-    """policy_forward over prompt + sampled ids (right-padded, as in training): per row, the
-    trainer's logprobs and entropies of the sampled tokens, and the logits that chose them."""
+    """policy_forward over prompt + sampled ids (packed, as in training): per row, the trainer's
+    logprobs and entropies of the sampled tokens, and the logits that chose them."""
     rows = [p + g.token_ids for p, g in zip(prompts, gens)]
-    ids = pad_rows(rows, 0)
-    attn = pad_rows([[1] * len(r) for r in rows], 0)
-    logprobs, entropy = policy_forward(model, ids, attn, temperature)                 # [B, L]
-    logits = model(input_ids=ids, attention_mask=attn).logits                          # [B, L, V]
-    out = []
+    ids, positions = torch.tensor([sum(rows, [])]), torch.tensor([[t for r in rows for t in range(len(r))]])   # [1, T]
+    sampled = torch.tensor([[t >= len(p) for p, r in zip(prompts, rows) for t in range(len(r))]])
+    logprobs, entropy, _ = policy_forward(model, ids, positions, sampled, temperature)                  # [1, T]
+    logits = model(input_ids=pad_rows(rows, 0)).logits                                                   # [B, L, V]
+    out, start = [], 0
     for i, (p, g) in enumerate(zip(prompts, gens)):
-        span = slice(len(p), len(p) + len(g.token_ids))
-        out.append((logprobs[i, span], entropy[i, span], logits[i, len(p) - 1:span.stop - 1]))
+        span = slice(start + len(p), start + len(p) + len(g.token_ids))
+        out.append((logprobs[0, span], entropy[0, span], logits[i, len(p) - 1:len(p) + len(g.token_ids) - 1]))
+        start += len(rows[i])
     return out
 
 

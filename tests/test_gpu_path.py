@@ -30,14 +30,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def process_group():
-    """A world of one (gloo) in this process: FSDP2 and the loaders need a process group."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{procs.free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_a_gpu_run_gives_cpu_tensors_a_backend(monkeypatch):
     """NCCL carries only CUDA tensors; the trainer's metrics, denominators and flags are CPU
     tensors, so a GPU process group must also have gloo for them."""
@@ -82,9 +74,9 @@ def test_bf16_critic_forward_and_backward(process_group, tiny_model_dir):
     """Under bf16 mixed precision the backbone computes in bf16 and the value head in fp32."""
     critic = build_critic(training_config(tiny_model_dir), read_weights(tiny_model_dir), CPU, torch.bfloat16, activation_checkpointing=True)
     torch.nn.init.normal_(critic.value_head.weight)
-    ids = torch.randint(3, 300, (2, 12))
-    values = critic_forward(critic, ids, torch.ones_like(ids))
-    assert values.shape == (2, 12) and values.dtype == torch.float32 and values[:, 1:].abs().sum() > 0
+    ids, positions = torch.randint(3, 300, (1, 12)), torch.tensor([list(range(7)) + list(range(5))])
+    values = critic_forward(critic, ids, positions, positions > 0)
+    assert values.shape == (1, 12) and values.dtype == torch.float32 and values[positions > 0].abs().min() > 0
     values.sum().backward()
     assert critic.value_head.weight.grad.dtype == torch.float32 and critic.value_head.weight.grad.full_tensor().abs().sum() > 0
 
@@ -122,7 +114,7 @@ def test_activation_checkpointing_recomputes_every_layer(process_group, tiny_mod
     rows = list(range(len(batch["lengths"])))
     micro = len(synced_micro_batches(batch["lengths"], cfg.train.micro_batch_tokens))
     assert micro >= 2
-    train.update_policy(policy, optimizer, batch, rows, cfg, 1, CPU)
+    train.update_policy(policy, optimizer, batch, rows, False, cfg, 1, CPU)
     assert len(forwards) == forwards_per_micro_batch * micro
 
 
@@ -132,11 +124,11 @@ def test_trainer_forwards_build_no_kv_cache(process_group, tiny_model_dir):
 
     def record(module, args, kwargs):
         caches.append(kwargs.get("past_key_values"))
-    ids = torch.randint(3, 300, (2, 10))
+    ids, positions = torch.randint(3, 300, (1, 10)), torch.arange(10)[None]
     for model, forward in [(build_policy(config, weights, CPU, torch.float32, False), policy_forward),
                            (build_critic(config, weights, CPU, torch.float32, False), critic_forward)]:
         decoder_layers(model)[0].register_forward_pre_hook(record, with_kwargs=True)
-        forward(model, ids, torch.ones_like(ids))
+        forward(model, ids, positions, positions > 0)
     assert len(caches) == 2 and all(c is None for c in caches)
 
 
@@ -202,8 +194,8 @@ def test_step_credit_trains_the_critic_where_the_step_values_are_read_only(proce
     batch = update_batch(tok)
     cfg = make_config("tiny", ["algo=ppo", "ppo.credit=step"])
     critic = build_critic(training_config(tiny_model_dir), read_weights(tiny_model_dir), CPU, torch.float32, False)
-    with torch.no_grad():
-        values = critic_forward(critic, batch["input_ids"], batch["attention_mask"])
+    values = train.forward_all(lambda get: critic_forward(critic, get("input_ids"), get("position_ids"), get("action_mask") > 0), batch,
+                               list(range(len(batch["lengths"]))), 10_000, CPU)
     boundaries = (batch["action_mask"].diff(dim=1, prepend=torch.zeros_like(batch["action_mask"][:, :1])) > 0).float()  # action starts
     assert 0 < boundaries.sum() < batch["action_mask"].sum()
     batch["value_mask"], batch["values"] = boundaries, (values + 0.3) * boundaries
@@ -234,15 +226,17 @@ def test_a_row_per_turn_trains_like_one_row_when_nothing_is_left_out(process_gro
         torch.manual_seed(0)  # the same value head in both contexts, with values that differ from token to token
         with torch.no_grad():
             torch.nn.init.normal_(critic.value_head.weight, std=0.1)
-        batch["old_logprobs"] = train.forward_all(lambda i, a: policy_forward(policy, i, a)[0], batch, rows, 400, CPU) * batch["action_mask"]
-        values = train.forward_all(lambda i, a: critic_forward(critic, i, a), batch, rows, 400, CPU)
+        batch["old_logprobs"] = train.forward_all(lambda get: policy_forward(policy, get("input_ids"), get("position_ids"), get("action_mask") > 0)[0],
+                                                  batch, rows, 400, CPU)
+        values = train.forward_all(lambda get: critic_forward(critic, get("input_ids"), get("position_ids"), get("action_mask") > 0), batch, rows,
+                                   400, CPU)
         batch["step_advantages"], batch["returns"], batch["value_mask"] = rl.step_gae(batch["rewards"], values, batch["action_mask"],
                                                                                       batch["steps"], 0.9, 0.8)
         batch["values"] = values * batch["value_mask"]
         outcomes = torch.tensor([(i % 3) / 2 for i in range(6)])  # update_batch's rewards
         batch["advantages"] = rl.outcome_token_advantages(rl.grpo_advantages(outcomes, torch.tensor([0, 0, 0, 1, 1, 1])), batch["process"],
                                                           batch["action_mask"], batch["steps"])
-        batch["shares"], _ = train.update_policy(policy, torch.optim.SGD(policy.parameters(), lr=1.0), batch, rows, cfg, 1, CPU)
+        batch["shares"], _ = train.update_policy(policy, torch.optim.SGD(policy.parameters(), lr=1.0), batch, rows, False, cfg, 1, CPU)
         batch["vf_shares"], _ = train.update_critic(critic, torch.optim.SGD(critic.parameters(), lr=1.0), batch, rows, cfg, 1, CPU)
         updated[context] = {**dict(policy.named_parameters()), **{"critic." + n: p for n, p in critic.named_parameters()}}
     full, lastk = batches["full"], batches["last_k"]
@@ -276,18 +270,19 @@ def test_a_step_value_is_the_critics_after_everything_the_policy_read(process_gr
     ids = torch.tensor([[5, 40, 41, 60, 61, 42, 43], [6, 40, 41, 60, 61, 42, 43], [5, 40, 41, 0, 0, 0, 0]])
     mask = torch.tensor([[0., 1, 1, 0, 0, 1, 1], [0., 1, 1, 0, 0, 1, 1], [0., 1, 1, 0, 0, 0, 0]])
     steps = [[(0, 1, 3), (0, 5, 7)], [(1, 1, 3), (1, 5, 7)], [(2, 1, 3)]]
-    batch = {"input_ids": ids, "attention_mask": torch.tensor([[1] * 7, [1] * 7, [1] * 3 + [0] * 4]), "action_mask": mask,
-             "lengths": [7, 7, 3], "trajectory": torch.tensor([0, 1, 2]), "steps": steps}
+    batch = {"input_ids": ids, "position_ids": torch.arange(7).expand(3, 7), "action_mask": mask, "lengths": [7, 7, 3],
+             "trajectory": torch.tensor([0, 1, 2]), "steps": steps}
     rewards = torch.zeros_like(mask)
     rewards[:2, 6], rewards[2, 2] = 1.0, 1.0
-    values = train.forward_all(lambda i, a: critic_forward(critic, i, a), batch, [0, 1, 2], 400, CPU)
+    values = train.forward_all(lambda get: critic_forward(critic, get("input_ids"), get("position_ids"), get("action_mask") > 0), batch,
+                               [0, 1, 2], 400, CPU)
     advantages, batch["returns"], batch["value_mask"] = rl.step_gae(rewards, values, mask, steps, 1.0, 1.0)
     batch["values"] = values * batch["value_mask"]
     read = {}
     with torch.no_grad():
         for n, trajectory in enumerate(steps):
             for row, start, _ in trajectory:  # the critic on exactly what the policy had read before the action
-                read[row, start] = critic(ids[row:row + 1, :start], torch.ones(1, start, dtype=torch.long))[0, -1]
+                read[row, start] = critic(ids[row:row + 1, :start], torch.arange(start)[None], torch.tensor([start - 1]))[0]
                 torch.testing.assert_close(batch["returns"][row, start] - advantages[row, start], read[row, start], atol=1e-5, rtol=1e-5)
     assert batch["value_mask"].nonzero().tolist() == [[0, 1], [0, 5], [1, 1], [1, 5], [2, 1]]
     assert abs(read[0, 1] - read[1, 1]) > 1e-3  # V(s_0) follows the prompt's token

@@ -1,27 +1,84 @@
-"""Forward passes over trajectories: alignment with the action mask, padding invariance, micro-batching."""
+"""Forward passes over trajectories: packed micro-batches, exactly the padded rows' results; alignment
+with the action mask and with the engine's logprobs; the critic's values."""
 
+import pytest
 import torch
 from transformers import AutoTokenizer
 
+import padded
 from nanoagent.agent import run_agent
 from nanoagent.engine import HFEngine, SamplingConfig, stop_token_ids
-from nanoagent.model import Critic, critic_forward, load_causal_lm, micro_batches, pad_rows, policy_forward
 from nanoagent.env import tool_env
+from nanoagent.model import (Critic, critic_forward, forward_all, load_causal_lm, micro_batches, micro_steps, old_policy_forward,
+                             policy_forward)
 from nanoagent.tools import calculator_tool
 
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.usefixtures("process_group")  # micro-batches are kept in step across ranks
 
-def test_micro_batches_cover_every_row_within_the_budget():
-    lengths = [5, 17, 3, 9, 9, 40, 1, 12]
+
+def test_micro_batches_pack_rows_first_fit_decreasing_within_the_budget():
+    lengths = [5, 17, 3, 9, 9, 40, 1, 12, 14]
     batches = micro_batches(lengths, token_budget=30)
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     for b in batches:
-        width = max(lengths[i] for i in b)
-        assert len(b) * width <= 30 or len(b) == 1
-        assert lengths[b[0]] == width  # longest first
+        assert sum(lengths[i] for i in b) <= 30 or len(b) == 1
     assert [5] in batches  # the row longer than the budget stands alone
+    # first-fit decreasing: 40 | 17 + 12 + 1 | 14 + 9 + 5 | 9 + 3, the fewest micro-batches there can be (70 tokens
+    # besides the 40 need 3); padded to their longest rows, the same budget took 6
+    assert batches == [[5], [1, 7, 6], [8, 3, 0], [4, 2]]
 
 
-def test_policy_forward_is_aligned_padding_invariant_and_matches_rollout(tiny_model_dir):
+def rows_of_many_lengths(vocab, seed=0):
+    """Token rows from 2 to 300 tokens, with action masks: a prompt, then actions and observations."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [2, 300, 7, 41, 3, 180, 12, 95, 60, 5]
+    rows = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+    masks = [[0] + [int(x) for x in (torch.rand(n - 1, generator=g) > 0.4)] for n in lengths]
+    return rows, masks
+
+
+@pytest.mark.parametrize("budget", [10_000, 320, 64])
+def test_packed_passes_give_the_padded_rows_logprobs_values_and_gradients(tiny_model_dir, budget):
+    """fp32: the packed policy and critic passes (one micro-batch, or several, or a row per micro-batch)
+    give the padded computation's logprobs, entropy, nucleus logprobs and values on the action
+    tokens, 0 elsewhere, and a loss over them the same gradient, to 1e-5."""
+    model, plain = load_causal_lm(tiny_model_dir), padded.plain_lm(tiny_model_dir)
+    rows, masks = rows_of_many_lengths(model.config.vocab_size)
+    batch = padded.batch_of(rows, masks)
+    mask = batch["action_mask"]
+    ref_logprobs, ref_entropy, ref_nucleus = padded.logprobs(plain, rows, temperature=0.7, top_p=0.8)
+    old = forward_all(lambda get: old_policy_forward(model, get("input_ids"), get("position_ids"), get("action_mask") > 0, 0.7, 0.8),
+                      batch, list(range(len(rows))), budget, CPU, per_token=(2,))
+    torch.testing.assert_close(old[..., 0], ref_logprobs.detach() * mask, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(old[..., 1], ref_nucleus * mask, atol=1e-5, rtol=1e-5)
+    # the gradient of a loss over the logprobs and entropies of the action tokens
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)) * mask
+    (ref_logprobs * weights + 0.1 * ref_entropy * weights).sum().backward()
+    for idx, get in micro_steps(batch, list(range(len(rows))), budget, CPU):
+        logprobs, entropy, _ = policy_forward(model, get("input_ids"), get("position_ids"), get("action_mask") > 0, 0.7)
+        w = torch.cat([weights[i, :batch["lengths"][i]] for i in idx])[None]
+        (logprobs * w + 0.1 * entropy * w).sum().backward()
+    grads = dict(plain.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+    # the critic's values where they are read
+    critic, plain_critic = Critic(model), padded.critic_of(tiny_model_dir)
+    critic.value_head.load_state_dict(plain_critic.value_head.state_dict())
+    values = forward_all(lambda get: critic_forward(critic, get("input_ids"), get("position_ids"), get("action_mask") > 0), batch,
+                         list(range(len(rows))), budget, CPU)
+    with torch.no_grad():
+        torch.testing.assert_close(values, padded.values(plain_critic, rows) * mask, atol=1e-5, rtol=1e-5)
+
+
+def test_a_needed_token_must_not_open_its_row(tiny_model_dir):
+    model = load_causal_lm(tiny_model_dir)
+    ids, positions = torch.tensor([[5, 9, 11, 7, 8]]), torch.tensor([[0, 1, 2, 0, 1]])
+    with pytest.raises(ValueError, match="opens its row"):
+        policy_forward(model, ids, positions, torch.tensor([[False, True, False, True, False]]))
+
+
+def test_policy_forward_is_aligned_and_matches_rollout(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     env = tool_env([calculator_tool()], tok)
     engine = HFEngine(tiny_model_dir, stop_token_ids(tok), tok.pad_token_id, dtype="float32", seed=1)
@@ -29,32 +86,28 @@ def test_policy_forward_is_aligned_padding_invariant_and_matches_rollout(tiny_mo
     trajs = run_agent(engine, env, samples, SamplingConfig(max_new_tokens=12, temperature=0.8), max_turns=2, max_context_tokens=512)
     model = load_causal_lm(tiny_model_dir)
     rows = [t.prompt_ids + t.response_ids for t in trajs]
-    ids = pad_rows(rows, tok.pad_token_id)
-    attn = pad_rows([[1] * len(r) for r in rows], 0)
-    with torch.no_grad():
-        logprobs, entropy = policy_forward(model, ids, attn, temperature=0.8)
+    batch = padded.batch_of(rows, [[0] * len(t.prompt_ids) + t.action_mask for t in trajs])
+    logprobs = forward_all(lambda get: policy_forward(model, get("input_ids"), get("position_ids"), get("action_mask") > 0, 0.8)[0], batch,
+                           list(range(len(rows))), 10_000, CPU)
     for i, t in enumerate(trajs):
         P, R = len(t.prompt_ids), len(t.response_ids)
         mask = torch.tensor(t.action_mask, dtype=torch.bool)
-        # the row's logprobs at the action positions are the engine's rollout logprobs
+        # the row's logprobs at the action positions are the engine's rollout logprobs, 0 elsewhere
         torch.testing.assert_close(logprobs[i, P:P + R][mask], torch.tensor(t.rollout_logprobs)[mask], atol=1e-4, rtol=0)
-        with torch.no_grad():  # the same row alone, unpadded
-            alone, alone_h = policy_forward(model, torch.tensor([rows[i]]), torch.ones(1, len(rows[i]), dtype=torch.long), 0.8)
-        torch.testing.assert_close(logprobs[i, :len(rows[i])], alone[0], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(entropy[i, :len(rows[i])], alone_h[0], atol=1e-5, rtol=1e-5)
-        assert logprobs[i, 0] == 0 and entropy[i, 0] == 0
+        assert torch.all(logprobs[i, P:P + R][~mask] == 0) and torch.all(logprobs[i, :P] == 0)
 
 
 def test_critic_values_are_aligned_and_trainable(tiny_model_dir):
     critic = Critic(load_causal_lm(tiny_model_dir))
-    ids = torch.tensor([[5, 9, 11, 7], [5, 9, 0, 0]])
-    attn = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
-    values = critic_forward(critic, ids, attn)
-    assert values.shape == (2, 4) and torch.all(values == 0)  # zero-initialised head
+    ids, positions = torch.tensor([[5, 9, 11, 7, 5, 9]]), torch.tensor([[0, 1, 2, 3, 0, 1]])
+    read = torch.tensor([[False, True, True, True, False, True]])
+    values = critic_forward(critic, ids, positions, read)
+    assert values.shape == (1, 6) and torch.all(values == 0)  # zero-initialised head
     torch.nn.init.normal_(critic.value_head.weight)
-    values = critic_forward(critic, ids, attn)
-    hidden = critic.backbone(input_ids=ids, attention_mask=attn).last_hidden_state
-    torch.testing.assert_close(values[0, 1:], critic.value_head(hidden[0, :-1]).squeeze(-1))
-    values[0, 1:].sum().backward()
+    values = critic_forward(critic, ids, positions, read)
+    hidden = critic.backbone(input_ids=ids[:, :4]).last_hidden_state
+    torch.testing.assert_close(values[0, 1:4], critic.value_head(hidden[0, :3]).squeeze(-1))
+    assert values[0, 0] == 0 and values[0, 4] == 0
+    values.sum().backward()
     assert critic.value_head.weight.grad.abs().sum() > 0
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in critic.backbone.parameters())

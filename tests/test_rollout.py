@@ -18,7 +18,7 @@ import procs
 import scripted
 from nanoagent.agent import run_agent
 from nanoagent.engine import HFEngine, SamplingConfig, VLLMEngine, stop_token_ids
-from nanoagent.model import collate, load_causal_lm, policy_forward
+from nanoagent.model import collate, forward_all, load_causal_lm, policy_forward
 from nanoagent.retriever import InMemoryRetriever, load_encoder, packaged_minilm_path
 from nanoagent.reward import score_trajectory
 from nanoagent.env import TEXT_MARKER, ChatEnv, tool_env
@@ -444,7 +444,8 @@ def test_trajectories_are_token_exact_under_qwens_vocabulary(tagging_qwen_dir, m
     assert {a[-1] if a[-1] in stop else "length" for _, a in turns} == set(stop) | {"length"}
 
     batch = collate(trajs, tok.pad_token_id)
-    with torch.no_grad():
-        logprobs, _ = policy_forward(load_causal_lm(tagging_qwen_dir), batch["input_ids"], batch["attention_mask"], sampling.temperature)
+    model = load_causal_lm(tagging_qwen_dir)
+    logprobs = forward_all(lambda get: policy_forward(model, get("input_ids"), get("position_ids"), get("action_mask") > 0, sampling.temperature)[0],
+                           batch, list(range(len(trajs))), 100_000, torch.device("cpu"))
     mask = batch["action_mask"].bool()
     torch.testing.assert_close(batch["rollout_logprobs"][mask], logprobs[mask], atol=1e-4, rtol=0)

@@ -205,15 +205,15 @@ def update_policy(policy, optimizer, batch, rows, on_policy, cfg, world, device)
     """
     global_tokens, global_units, unit_tokens = rl.unit_counts(batch["action_mask"], loss_units(batch, cfg), rows, all_reduce)
     shares = {"pg_loss": 0.0, "clipfrac": 0.0, "approx_kl": 0.0, "entropy": 0.0, "kl_loss": 0.0}
-    for idx, get in micro_steps({**batch, "unit_tokens": unit_tokens}, rows, cfg.train.micro_batch_tokens, device):
+    for layout, get in micro_steps({**batch, "unit_tokens": unit_tokens}, rows, cfg.train.micro_batch_tokens, device):
         actions = get("action_mask")
-        mask = actions * (1.0 if idx else 0.0)
+        mask = actions * (1.0 if layout.rows else 0.0)
         logprobs, entropy, nucleus = policy_forward(policy, get("input_ids"), get("position_ids"), actions > 0, cfg.rollout.temperature,
                                                     cfg.rollout.top_p if on_policy else None)
         if on_policy:
             old_logprobs = logprobs.detach()
-            unpack(old_logprobs, idx, batch["lengths"], batch["old_logprobs"])
-            unpack(nucleus, idx, batch["lengths"], batch["nucleus_logprobs"])
+            unpack(old_logprobs, layout, batch["old_logprobs"])
+            unpack(nucleus, layout, batch["nucleus_logprobs"])
         else:
             old_logprobs = get("old_logprobs")
         # GSPO: one ratio per row (ppo.ratio=sequence) or per step
@@ -245,9 +245,9 @@ def update_critic(critic, optimizer, batch, rows, cfg, world, device):
     read), a global mean (train.loss_agg). Returns (shares, globals) like update_policy."""
     global_tokens, global_units, unit_tokens = rl.unit_counts(batch["value_mask"], loss_units(batch, cfg), rows, all_reduce)
     shares = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
-    for idx, get in micro_steps({**batch, "unit_tokens": unit_tokens}, rows, cfg.train.micro_batch_tokens, device):
+    for layout, get in micro_steps({**batch, "unit_tokens": unit_tokens}, rows, cfg.train.micro_batch_tokens, device):
         read = get("value_mask")
-        mask = read * (1.0 if idx else 0.0)
+        mask = read * (1.0 if layout.rows else 0.0)
         values = critic_forward(critic, get("input_ids"), get("position_ids"), read > 0)
         per_token, vf_stats = rl.clipped_value_loss(values, get("values"), get("returns"), mask, cfg.ppo.value_clip)
         loss = rl.aggregate_loss(per_token, mask, cfg.train.loss_agg, global_tokens, global_units, get("unit_tokens"))
@@ -350,7 +350,7 @@ def main(argv=None):
         # 3. old logprobs recomputed by the trainer (with those renormalised over the top_p nucleus, as the engine reports
         # them: engine_logprob_diff), unless the update is exactly on-policy: one epoch of one mini-batch, and no KL in the
         # reward (which needs them now); then the update's own forward gives them. Reference logprobs. Every forward pass
-        # runs over packed micro-batches of the kept rows, its LM head over the action tokens only.
+        # runs over packed micro-batches of the kept rows (a group's prompt once), its LM head over the action tokens only.
         rows_of, n_mini = mini_batching(batch, kept, cfg)
         policy_moves = cfg.algo != "ppo" or step >= cfg.ppo.critic_warmup_steps
         on_policy = cfg.ppo.epochs == 1 and n_mini <= 1 and cfg.train.kl_mode != "reward" and policy_moves
@@ -362,8 +362,8 @@ def main(argv=None):
                                                              cfg.rollout.top_p), batch, kept, cfg.train.micro_batch_tokens, device, per_token=(2,))
             batch["old_logprobs"], batch["nucleus_logprobs"] = old.unbind(-1)
         if ref is not None:
-            batch["ref_logprobs"] = forward_all(lambda get: policy_forward(ref, get("input_ids"), get("position_ids"), actions(get),
-                                                                           cfg.rollout.temperature)[0], batch, kept, cfg.train.micro_batch_tokens, device)
+            batch["ref_logprobs"] = forward_all(lambda get: policy_forward(ref, get("input_ids"), get("position_ids"), actions(get), cfg.rollout.temperature)[0],
+                                                batch, kept, cfg.train.micro_batch_tokens, device)
         if cfg.train.kl_mode == "reward":  # ppo and reinforce_plus_plus(_baseline) only (config.validate): k1 on every action token
             rewards = rewards - cfg.train.kl_coef * rl.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], "k1") * mask
         t2 = time.perf_counter()
@@ -397,7 +397,8 @@ def main(argv=None):
             advantages = rl.outcome_token_advantages(baselined, process, mask, batch["steps"])
         batch["advantages"] = advantages
         # 5. PPO epochs over mini-batches of the kept trajectories: critic, then policy (after the critic's warm-up)
-        policy_updates, critic_updates = ppo_epochs(models, optimizers, batch, rows_of, n_mini, policy_moves, on_policy, cfg, step, rank, world, device)
+        policy_updates, critic_updates = ppo_epochs(models, optimizers, batch, rows_of, n_mini, policy_moves, on_policy, cfg, step, rank, world,
+                                                    device)
         kl = rl.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], "k1") * mask if ref is not None else None  # logged
         t3 = time.perf_counter()
         # 6. the new weights into the engine; one line of metrics

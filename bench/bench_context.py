@@ -22,7 +22,7 @@ sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 from nanoagent import rl  # noqa: E402
 from nanoagent.agent import Trajectory  # noqa: E402
 from nanoagent.common import median_time  # noqa: E402
-from nanoagent.model import collate, load_causal_lm, micro_batches, pack, policy_forward  # noqa: E402
+from nanoagent.model import collate, load_causal_lm, micro_batches, pack, packed_layout, policy_forward  # noqa: E402
 from nanoagent.tiny import ensure_tiny_model  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -49,7 +49,7 @@ def update_time(model, batch):
     """Forward and backward of the policy loss over the batch's rows, micro-batch by micro-batch."""
     def run():
         for idx in micro_batches(batch["lengths"], MICRO_BATCH_TOKENS):
-            get = lambda key: pack(batch, key, idx, DEVICE)  # noqa: E731
+            get = lambda key: pack(batch, key, packed_layout(batch, idx), DEVICE)  # noqa: E731
             mask = get("action_mask")
             logprobs, _, _ = policy_forward(model, get("input_ids"), get("position_ids"), mask > 0)
             loss, _ = rl.ppo_policy_loss(logprobs, logprobs.detach(), torch.ones_like(mask), mask)

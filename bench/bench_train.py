@@ -13,12 +13,15 @@ Training speed (prints figures; asserts nothing).
    micro-batches, the LM head on the action tokens only: nanoagent.model) against the way it was
    before (rows right-padded to the longest of micro-batches of rows x longest <= the budget, the
    LM head and log-softmax over every position, transformers' sdpa attention with a padding mask),
-   the same weights, the median of several passes each. Two batches: (a) shaped like the tiny
+   the same weights, the median of 3 passes each, taken in turn. Three batches: (a) shaped like the tiny
    preset's trajectories (prompt 200-260 tokens, 1-3 turns of a 20-48-token action and a 60-128-token
    tool result), (b) a long-tailed multi-turn mix (a median row of ~400 tokens, one row in ten 8x
-   that, 60% of the tokens observations). Each with the tiny model's own vocabulary and with
-   Qwen2.5's (151,936 rows: there the LM head is most of the work). Reports real tokens/s, the
-   padding fraction (padded positions computed / real tokens) and the ratio.
+   that, 60% of the tokens observations), (c) GRPO groups as TRL's GRPOTrainer is compared on (8
+   samples of a prompt of 230-270 tokens, answers of 40-64 tokens: a group's prompt is computed once).
+   Each with the tiny model's own vocabulary and with Qwen2.5's (151,936 rows: there the LM head is
+   most of the work). Reports the rows' tokens per second (a shared prompt counted once per row, as
+   the padded rows compute it), the padding fraction (padded positions computed / real tokens) and
+   the ratio.
 3. Update only (GPU): a Qwen2.5-1.5B-shaped model with random weights, FSDP2 on one GPU, bf16
    compute: forward + backward of the policy loss over packed micro-batches of random tokens;
    tokens/s and MFU = 6 * params * tokens/s / peak bf16 FLOP/s (H100 SXM dense: 989e12).
@@ -76,6 +79,11 @@ def shaped_batch(kind, rows, vocab, seed=0):
                 if turn < 2:
                     observation = rng.randint(60, 128)
                     tokens, mask = tokens + ids(observation), mask + [0] * observation
+        elif kind == "groups":  # GRPO groups of 8 samples of one prompt: 230-270 prompt tokens, a 40-64-token answer
+            if r % 8 == 0:
+                prompt = ids(rng.randint(230, 270))
+            answer = rng.randint(40, 64)
+            tokens, mask = prompt + ids(answer), [0] * len(prompt) + [1] * answer
         else:  # a prompt, then turns of 40% action, 60% observation; one row in ten 8x as long
             length = rng.randint(300, 500) * (8 if r % 10 == 9 else 1)
             tokens, mask = ids(60), [0] * 60
@@ -91,7 +99,7 @@ def packing(budget=8192):
 
     from nanoagent import rl
     from nanoagent.common import median_time
-    from nanoagent.model import PACKED, micro_batches, pack, pad_rows, policy_forward
+    from nanoagent.model import PACKED, micro_batches, pack, packed_layout, pad_rows, policy_forward, shared_prompts
     from nanoagent.tiny import build_tiny_model
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -116,8 +124,9 @@ def packing(budget=8192):
         model.zero_grad(set_to_none=True)
 
     def packed_pass(model, batch):
-        for idx in micro_batches(batch["lengths"], budget):
-            get = lambda key: pack(batch, key, idx, device)  # noqa: E731
+        prompts = list(zip(batch["prompt"].tolist(), batch["prompt_length"].tolist()))
+        for idx in micro_batches(batch["lengths"], budget, prompts):
+            get = lambda key: pack(batch, key, packed_layout(batch, idx), device)  # noqa: E731
             mask = get("action_mask")
             logprobs = policy_forward(model, get("input_ids"), get("position_ids"), mask > 0)[0]
             (-(logprobs * mask).sum() / mask.sum()).backward()
@@ -128,14 +137,16 @@ def packing(budget=8192):
             path = build_tiny_model(os.path.join(tmp, vocab), vocab=vocab)
             padded = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").to(device).train()
             packed = AutoModelForCausalLM.from_pretrained(path, attn_implementation=PACKED).to(device).train()
-            for kind in ("tiny", "long_tail"):
+            for kind in ("tiny", "long_tail", "groups"):
                 rows, masks = shaped_batch(kind, n_rows, padded.config.vocab_size)
                 lengths = [len(r) for r in rows]
-                batch = {"input_ids": pad_rows(rows, 0), "position_ids": pad_rows([range(n) for n in lengths], 0),
-                         "action_mask": pad_rows(masks, 0, torch.float32), "lengths": lengths}
+                batch = {"input_ids": pad_rows(rows, 0), **shared_prompts(rows, masks), "action_mask": pad_rows(masks, 0, torch.float32),
+                         "lengths": lengths}
                 tokens = sum(lengths)
                 computed = sum(len(b) * lengths[b[0]] for b in padded_micro_batches(lengths))
-                before, after = median_time(lambda: padded_pass(padded, rows, masks), 3), median_time(lambda: packed_pass(packed, batch), 3)
+                pairs = [(median_time(lambda: padded_pass(padded, rows, masks), 1), median_time(lambda: packed_pass(packed, batch), 1))
+                         for _ in range(3)]  # in turn, so that the machine's load drifts over both alike
+                before, after = statistics.median(b for b, _ in pairs), statistics.median(a for _, a in pairs)
                 print(f"{kind:>9} batch, vocab {vocab} ({padded.config.vocab_size}), {n_rows} rows, {tokens} tokens "
                       f"({sum(map(sum, masks)) / tokens:.0%} actions, longest {max(lengths)}), budget {budget}: padded {tokens / before:,.0f} "
                       f"tokens/s (padding {computed / tokens - 1:.0%}), packed {tokens / after:,.0f} tokens/s (padding 0%): {before / after:.2f}x",

@@ -36,9 +36,9 @@ def imitate(policy, env, rows, demonstrate, cfg, rank, world, device):
         rows = list(range(len(batch["lengths"])))
         [global_tokens] = all_reduce([batch["action_mask"].sum().item()])  # over all ranks: the loss is one global token mean
         loss_sum = 0.0
-        for idx, get in micro_steps(batch, rows, cfg.train.micro_batch_tokens, device):
+        for layout, get in micro_steps(batch, rows, cfg.train.micro_batch_tokens, device):
             logprobs = policy_forward(policy, get("input_ids"), get("position_ids"), get("action_mask") > 0)[0]
-            loss = rl.aggregate_loss(-logprobs, get("action_mask") * (1.0 if idx else 0.0), "token_mean", global_tokens, None)
+            loss = rl.aggregate_loss(-logprobs, get("action_mask") * (1.0 if layout.rows else 0.0), "token_mean", global_tokens, None)
             (loss * world).backward()
             loss_sum += loss.item()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.train.grad_clip)

@@ -25,13 +25,17 @@ are stored at index t. Index 0 holds 0. So every per-token tensor is [B, L], ali
 and with the action mask of the same row.
 
 Packed micro-batches: a batch is [B, L] on the host (collate), but the models never see padding.
-The rows of a micro-batch are laid end to end into one sequence [1, T] (T = the sum of their
-lengths, at most train.micro_batch_tokens unless one row is longer), with position ids that restart
-at 0 on every row, and attention that stays within each row: packed_attention, transformers'
-attention interface at work, runs causal attention row by row (one scaled_dot_product_attention
-per row: its flash kernel on a GPU, and no T x T mask anywhere). Rows go into micro-batches
-first-fit decreasing, and every rank runs as many micro-batches as the busiest (FSDP's forward and
-backward are collectives). Results come back to [B, L] exactly (unpack).
+The rows of a micro-batch are laid end to end into one sequence [1, T] (at most
+train.micro_batch_tokens tokens unless one row is longer), with position ids that restart at 0 on
+every row, and attention that stays within each row: packed_attention, transformers' attention
+interface at work, runs causal attention row by row (one scaled_dot_product_attention per row: its
+flash kernel on a GPU, and no T x T mask anywhere). Rows that begin with the same prompt (a GRPO
+group's G samples: system prompt, tool schemas, question, often most of a row) share one copy of it:
+the prompt, then each row's own tokens, positions going on from the prompt's, each attending to the
+prompt and to itself (a tree, not a chain), so the prompt's forward and backward are paid once, not
+G times. Rows go into micro-batches first-fit decreasing, a prompt's rows together where they fit,
+and every rank runs as many micro-batches as the busiest (FSDP's forward and backward are
+collectives). Results come back to [B, L] exactly (unpack).
 
 Logits only where a logprob is used: the LM head, the log-softmax and the entropy run over the
 hidden states of the positions whose next token is an action token (transformers' logits_to_keep,
@@ -40,6 +44,8 @@ given the positions), and the critic's value head over those where a value is re
 head's work (a 152k vocabulary on Qwen2.5) saved.
 """
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -47,6 +53,7 @@ from accelerate import init_empty_weights
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
 from nanoagent.common import all_reduce
@@ -57,17 +64,30 @@ PACKED = "nanoagent_packed"  # the trainer's attention implementation (packed_at
 
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, position_ids=None, **kwargs):
     """
-    Causal attention within each row of a packed sequence, row by row: query [1, H, T, D], key and
-    value [1, Hkv, T, D]; a row starts where position_ids is 0. Returns ([1, T, H, D], None), as
-    transformers' attention functions do. No mask is built (transformers makes none for an
-    implementation it does not know). Its own sdpa path also keeps packed rows apart, through a
-    T x T block-diagonal mask: T^2 memory and time, 4x slower than padded rows on 8,192-token
-    micro-batches of the tiny model, where this is 1.2x faster than them.
+    Causal attention within each row of a packed sequence, segment by segment: query [1, H, T, D],
+    key and value [1, Hkv, T, D]. A segment is a run of positions going up by one. One that starts
+    at position 0 opens a row (or a shared prompt) and attends to itself; one that starts at p > 0
+    is a row's own tokens after a shared prompt and attends to the first p tokens of the last
+    segment that started at 0 (its prompt) and to itself (causal, aligned to the bottom right).
+    Returns ([1, T, H, D], None), as transformers' attention functions do. No mask is built over the
+    packed sequence (transformers makes none for an implementation it does not know): its own sdpa
+    path keeps packed rows apart through a T x T block-diagonal mask, T^2 memory and time, 4x slower
+    than padded rows on 8,192-token micro-batches of the tiny model, where this is 1.2x faster.
     """
-    starts = (position_ids[0] == 0).nonzero().flatten().tolist() + [query.shape[2]]
-    rows = [F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling,
-                                           enable_gqa=query.shape[1] != key.shape[1]) for s, e in zip(starts, starts[1:])]
-    return torch.cat(rows, 2).transpose(1, 2).contiguous(), None
+    positions, T, gqa = position_ids[0], query.shape[2], query.shape[1] != key.shape[1]
+    starts = (torch.diff(positions, prepend=positions[:1]) != 1).nonzero().flatten()  # index 0 always
+    out, root = [], 0
+    for s, e, p in zip(starts.tolist(), starts.tolist()[1:] + [T], positions[starts].tolist()):
+        if p == 0:
+            root = s
+            out.append(F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling,
+                                                      enable_gqa=gqa))
+        else:
+            k = torch.cat([key[:, :, root:root + p], key[:, :, s:e]], 2)
+            v = torch.cat([value[:, :, root:root + p], value[:, :, s:e]], 2)
+            out.append(F.scaled_dot_product_attention(query[:, :, s:e], k, v, attn_mask=causal_lower_right(e - s, p + e - s), scale=scaling,
+                                                      enable_gqa=gqa))
+    return torch.cat(out, 2).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(PACKED, packed_attention)
@@ -208,22 +228,38 @@ def build_models(cfg, model_path, device):
 # -----------------------------------------------------------------------------
 # forward passes over trajectories
 
-def micro_batches(lengths, token_budget):
+def micro_batches(lengths, token_budget, prompts=None):
     """
     Group row indices into micro-batches of at most token_budget tokens in all (their rows packed
-    end to end), first-fit decreasing: rows longest first, each into the first micro-batch it fits.
-    A row longer than the budget gets a micro-batch of its own (it cannot be split without changing
-    the computation).
+    end to end), first-fit decreasing: largest first, each into the first micro-batch it fits.
+    prompts: for each row (prompt id, prompt length) as collate gives them; the rows of one prompt
+    go in as one unit, the prompt counted once (a unit over the budget goes in pieces). A row longer
+    than the budget gets a micro-batch of its own (it cannot be split without changing the
+    computation).
     """
+    units = {}
+    for i in range(len(lengths)):
+        units.setdefault(prompts[i][0] if prompts else i, []).append(i)
+    pieces = []  # (tokens, rows)
+    for rows in units.values():
+        prompt = prompts[rows[0]][1] if prompts and len(rows) > 1 else 0
+        piece, tokens = [], prompt
+        for i in sorted(rows, key=lambda i: -lengths[i]):
+            if piece and tokens + lengths[i] - prompt > token_budget:
+                pieces.append((tokens, piece))
+                piece, tokens = [], prompt
+            piece.append(i)
+            tokens += lengths[i] - prompt
+        pieces.append((tokens, piece))
     batches, tokens = [], []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        fit = next((b for b in range(len(batches)) if tokens[b] + lengths[i] <= token_budget), None)
+    for size, piece in sorted(pieces, key=lambda p: -p[0]):
+        fit = next((b for b in range(len(batches)) if tokens[b] + size <= token_budget), None)
         if fit is None:
             batches.append([])
             tokens.append(0)
             fit = len(batches) - 1
-        batches[fit].append(i)
-        tokens[fit] += lengths[i]
+        batches[fit] += piece
+        tokens[fit] += size
     return batches
 
 
@@ -241,10 +277,10 @@ def collate(trajs, pad_id):
     Trajectories -> a batch of their token rows (Trajectory.sequences: one row `prompt | response`
     each, or one per turn with context=last_k) right-padded to [R, L] on the host. action_mask and
     rollout_logprobs are laid over the whole row (0 on the prompt and padding), so every per-token
-    tensor shares one index. "position_ids": [R, L] each token's position in its row; "row": [R, L]
-    its row; "trajectory": [R] the trajectory each row belongs to; "steps": for each trajectory its
-    turns' actions in order, as (row, start, end); "step": [R, L] on the tokens of each action an id
-    of its step, unique in the batch (1, 2, ...; 0 elsewhere).
+    tensor shares one index. "position_ids", "prompt", "prompt_length": see shared_prompts; "row":
+    [R, L] each token's row; "trajectory": [R] the trajectory each row belongs to; "steps": for each
+    trajectory its turns' actions in order, as (row, start, end); "step": [R, L] on the tokens of
+    each action an id of its step, unique in the batch (1, 2, ...; 0 elsewhere).
     """
     sequences, owner, steps = [], [], []
     for i, t in enumerate(trajs):
@@ -259,7 +295,7 @@ def collate(trajs, pad_id):
         step[row, start:end] = n + 1
     return {
         "input_ids": input_ids,
-        "position_ids": pad_rows([range(len(ids)) for ids, _, _ in sequences], 0),
+        **shared_prompts([ids for ids, _, _ in sequences], [mask for _, mask, _ in sequences]),
         "row": torch.arange(len(sequences))[:, None].expand_as(input_ids),
         "action_mask": pad_rows([mask for _, mask, _ in sequences], 0, torch.float32),
         "rollout_logprobs": pad_rows([logprobs for _, _, logprobs in sequences], 0.0, torch.float32),
@@ -270,14 +306,26 @@ def collate(trajs, pad_id):
     }
 
 
-def synced_micro_batches(lengths, token_budget):
+def shared_prompts(rows, masks):
+    """The keys of a batch that say which rows share a prompt, from its token rows and action masks:
+    "position_ids" [R, L] each token's position in its row, "prompt_length" [R] the tokens before a
+    row's first action (all of them without one), "prompt" [R] an id equal for rows whose prompts are
+    the same tokens (a group's samples, the first turns of a group's trajectories with
+    rollout.context=last_k)."""
+    lengths = [next((t for t, m in enumerate(mask) if m), len(mask)) for mask in masks]
+    ids = {}
+    prompt = [ids.setdefault(tuple(row[:n]), len(ids)) for row, n in zip(rows, lengths)]
+    return {"position_ids": pad_rows([range(len(r)) for r in rows], 0), "prompt_length": torch.tensor(lengths), "prompt": torch.tensor(prompt)}
+
+
+def synced_micro_batches(lengths, token_budget, prompts=None):
     """
     micro_batches(), with the same count on every rank: each FSDP forward and backward is a
     collective, so a rank with fewer micro-batches would leave the others waiting forever. Short
     ranks split their fullest micro-batches in two (rows alternately, so the halves carry about the
     same tokens), then add empty ones ([]), which callers run as a zero-weight pass over one row.
     """
-    batches = micro_batches(lengths, token_budget)
+    batches = micro_batches(lengths, token_budget, prompts)
     [count] = all_reduce([len(batches)], "max")
     while len(batches) < count:
         fullest = max(range(len(batches)), key=lambda b: sum(lengths[i] for i in batches[b]), default=None)
@@ -291,32 +339,58 @@ def synced_micro_batches(lengths, token_budget):
 def micro_steps(batch, rows, token_budget, device):
     """
     The packed micro-batches of `rows` (this rank's row indices into batch, maybe none), kept in
-    step across ranks: the one iterator every forward and backward pass goes through. Yields (idx,
-    get): idx the rows of the micro-batch, get(key) that [R, L] tensor of the batch for them, packed
-    ([1, T]: the rows end to end, each cut to its length) on the device. An empty micro-batch comes
-    as idx [] and get() over one row of the batch, so its collectives still run; its results must be
-    given weight 0.
+    step across ranks: the one iterator every forward and backward pass goes through. Yields
+    (layout, get): layout as packed_layout gives it (layout.rows: the rows of the micro-batch),
+    get(key) that [R, L] tensor of the batch for them, packed ([1, T]) on the device. An empty
+    micro-batch comes as a layout of no rows and get() over one row of the batch, so its collectives
+    still run; its results must be given weight 0.
     """
     lengths = [batch["lengths"][i] for i in rows]
-    for micro in synced_micro_batches(lengths, token_budget):
-        idx = [rows[i] for i in micro]
-        run = idx or (rows or [0])[:1]
-        yield idx, lambda key, run=run: pack(batch, key, run, device)
+    prompts = [(batch["prompt"][i].item(), batch["prompt_length"][i].item()) for i in rows]
+    for micro in synced_micro_batches(lengths, token_budget, prompts):
+        layout = packed_layout(batch, [rows[i] for i in micro])
+        run = layout if layout.rows else packed_layout(batch, (rows or [0])[:1])
+        yield layout, lambda key, run=run: pack(batch, key, run, device)
 
 
-def pack(batch, key, idx, device):
-    """The rows idx of batch[key] ([R, L, *] on the host) end to end, each cut to its length: [1, T, *]
-    on the device."""
-    return torch.cat([batch[key][i, :batch["lengths"][i]] for i in idx])[None].to(device)
+class Layout(NamedTuple):
+    """Where the tokens of some rows sit in their packed sequence."""
+    rows: list                 # the rows, in packed order
+    source_rows: torch.Tensor  # [T] the batch row of each packed token
+    source_cols: torch.Tensor  # [T] its column in that row
+    places: dict               # {row: [its length] the packed index of each of its tokens (a shared prompt's in every row of it)}
 
 
-def unpack(packed, idx, lengths, out):
-    """Write a packed result [1, T, *] of the rows idx (micro_steps' order) back into their rows of
-    out [R, L, *] (on the host); returns out."""
-    start = 0
+def packed_layout(batch, idx):
+    """The packed sequence of the rows idx: a prompt's rows together, its first row whole, each other
+    row's own tokens after it (positions going on from the prompt's; packed_attention reads them
+    from the prompt's copy)."""
+    groups = {}
     for i in idx:
-        out[i, :lengths[i]] = packed[0, start:start + lengths[i]].to(out.device, out.dtype)
-        start += lengths[i]
+        groups.setdefault(batch["prompt"][i].item(), []).append(i)
+    rows, source_rows, source_cols, places = [], [], [], {}
+    for members in groups.values():
+        start = len(source_rows)
+        for n, i in enumerate(members):
+            length, prompt = batch["lengths"][i], batch["prompt_length"][i].item() if n else 0
+            here = len(source_rows)
+            places[i] = list(range(start, start + prompt)) + list(range(here, here + length - prompt))
+            source_rows += [i] * (length - prompt)
+            source_cols += range(prompt, length)
+            rows.append(i)
+    return Layout(rows, torch.tensor(source_rows, dtype=torch.long), torch.tensor(source_cols, dtype=torch.long), places)
+
+
+def pack(batch, key, layout, device):
+    """batch[key] ([R, L, *] on the host) laid out as layout says: [1, T, *] on the device."""
+    return batch[key][layout.source_rows, layout.source_cols][None].to(device)
+
+
+def unpack(packed, layout, out):
+    """Write a packed result [1, T, *] back into the rows of out [R, L, *] (on the host), a shared
+    prompt's values into every row of it; returns out."""
+    for i in layout.rows:
+        out[i, :len(layout.places[i])] = packed[0, layout.places[i]].to(out.device, out.dtype)
     return out
 
 
@@ -325,8 +399,8 @@ def forward_all(model_fn, batch, rows, micro_batch_tokens, device, per_token=())
     """A per-token forward function (get -> packed [1, T, *per_token]; get as in micro_steps) over
     the given rows of the batch; [B, L, *per_token] on the CPU, 0 on the other rows."""
     out = torch.zeros(*batch["input_ids"].shape, *per_token)
-    for idx, get in micro_steps(batch, rows, micro_batch_tokens, device):
-        unpack(model_fn(get), idx, batch["lengths"], out)
+    for layout, get in micro_steps(batch, rows, micro_batch_tokens, device):
+        unpack(model_fn(get), layout, out)
     return out
 
 
@@ -340,18 +414,24 @@ def full_tensors(model):
 
 
 def read_positions(position_ids, needed):
-    """[N] the positions p of a packed sequence whose next token p + 1 is needed ([1, T] bool, as
-    an action mask): where the logit or value of that token is read. A needed token must not open
-    a row (its state would be the previous row's)."""
-    if bool((needed[0] & (position_ids[0] == 0)).any()):
+    """([N] the packed indices of the needed tokens ([1, T] bool, as an action mask), [N] the index of
+    the state that predicts each): the token before it in its row, or for a row's first own token
+    after a shared prompt, the prompt's last (see packed_attention). A needed token must not open a
+    row (it has no state before it)."""
+    positions = position_ids[0]
+    index = torch.arange(len(positions), device=positions.device)
+    prompt = torch.where(positions == 0, index, 0).cummax(0).values  # [T] where the row or prompt of each token starts
+    follows = torch.cat([positions.new_zeros(1, dtype=torch.bool), positions[1:] == positions[:-1] + 1])
+    state = torch.where(follows, index - 1, prompt + positions - 1)                  # [T]
+    tokens = needed[0].nonzero().flatten()
+    if bool((positions[tokens] == 0).any()):
         raise ValueError("a needed token opens its row: it has no state of its own row to be read from")
-    return needed[0, 1:].nonzero().flatten()
+    return tokens, state[tokens]
 
 
-def scatter(values, at, length):
-    """[N] values read at positions at -> [1, length], each at at + 1 (the token it is about), 0
-    elsewhere; differentiable."""
-    return values.new_zeros(length).index_copy(0, at + 1, values)[None]
+def scatter(values, tokens, length):
+    """[N] values of the tokens at packed indices tokens -> [1, length], 0 elsewhere; differentiable."""
+    return values.new_zeros(length).index_copy(0, tokens, values)[None]
 
 
 def policy_forward(model, input_ids, position_ids, needed, temperature=1.0, top_p=None):
@@ -363,17 +443,17 @@ def policy_forward(model, input_ids, position_ids, needed, temperature=1.0, top_
     distribution the engine sampled from and reports, for engine_logprob_diff to compare like with
     like. The LM head runs on the states that predict a needed token only (logits_to_keep).
     """
-    at = read_positions(position_ids, needed)                                                   # [N]
+    tokens, at = read_positions(position_ids, needed)                                           # [N], [N]
     logits = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=at, use_cache=False).logits[0]  # [N, V]
-    labels = input_ids[0, at + 1]                                                               # [N]
+    labels = input_ids[0, tokens]                                                               # [N]
     chosen = None
     if top_p is not None and top_p < 1.0:  # before logprobs_and_entropy, whose backward overwrites the logits
         with torch.no_grad():
             chosen = nucleus_logprobs(logits.detach(), labels, temperature, top_p)             # [N]
     logprobs, entropy = logprobs_and_entropy(logits, labels, temperature)                       # [N]
     length = input_ids.shape[1]
-    nucleus = None if top_p is None else scatter((logprobs if chosen is None else chosen).detach(), at, length)
-    return scatter(logprobs, at, length), scatter(entropy, at, length), nucleus
+    nucleus = None if top_p is None else scatter((logprobs if chosen is None else chosen).detach(), tokens, length)
+    return scatter(logprobs, tokens, length), scatter(entropy, tokens, length), nucleus
 
 
 def old_policy_forward(model, input_ids, position_ids, needed, temperature=1.0, top_p=1.0):
@@ -387,5 +467,5 @@ def old_policy_forward(model, input_ids, position_ids, needed, temperature=1.0, 
 def critic_forward(critic, input_ids, position_ids, needed):
     """Per-token values of a packed micro-batch on the tokens where needed is True ([1, T]), [1, T]
     fp32, aligned like policy_forward (a token's value is that of the state before it), 0 elsewhere."""
-    at = read_positions(position_ids, needed)
-    return scatter(critic(input_ids, position_ids, at), at, input_ids.shape[1])
+    tokens, at = read_positions(position_ids, needed)
+    return scatter(critic(input_ids, position_ids, at), tokens, input_ids.shape[1])

@@ -21,11 +21,16 @@ from nanoagent.model import load_causal_lm, pad_rows, shard
 
 
 def batch(vocab, n=8, seed=0):
+    """n rows of 4-60 tokens; the first half share a 12-token prompt and the second half a 20-token one,
+    as two GRPO groups do (each rank then holds two rows of each)."""
     g = torch.Generator().manual_seed(seed)
-    lengths = [int(x) for x in torch.randint(4, 60, (n,), generator=g)]
-    rows = [torch.randint(3, vocab, (L,), generator=g).tolist() for L in lengths]
-    masks = [[0] * 3 + (torch.rand(L - 3, generator=g) > 0.3).long().tolist() for L in lengths]
-    advantages = [torch.randn(L, generator=g).tolist() for L in lengths]
+    prompts = [torch.randint(3, vocab, (12,), generator=g).tolist(), torch.randint(3, vocab, (20,), generator=g).tolist()]
+    rows, masks = [], []
+    for i in range(n):
+        prompt, own = prompts[2 * i // n], int(torch.randint(4, 40, (1,), generator=g))
+        rows.append(prompt + torch.randint(3, vocab, (own,), generator=g).tolist())
+        masks.append([0] * len(prompt) + [1] + (torch.rand(own - 1, generator=g) > 0.3).long().tolist())
+    advantages = [torch.randn(len(r), generator=g).tolist() for r in rows]
     return rows, masks, advantages
 
 

@@ -7,7 +7,7 @@ over every position. The reference the packed passes (nanoagent.model) must equa
 import torch
 from transformers import AutoModelForCausalLM
 
-from nanoagent.model import Critic, pad_rows
+from nanoagent.model import Critic, pad_rows, shared_prompts
 from nanoagent.rl import nucleus_logprobs
 
 
@@ -51,6 +51,6 @@ def batch_of(rows, masks):
     """The host batch the trainer's forward passes read (model.collate's keys), from token rows and
     their action masks."""
     ids = pad_rows(rows, 0)
-    return {"input_ids": ids, "position_ids": pad_rows([range(len(r)) for r in rows], 0),
-            "row": torch.arange(len(rows))[:, None].expand_as(ids), "action_mask": pad_rows(masks, 0, torch.float32),
+    return {"input_ids": ids, **shared_prompts(rows, masks), "row": torch.arange(len(rows))[:, None].expand_as(ids),
+            "action_mask": pad_rows(masks, 0, torch.float32),
             "lengths": [len(r) for r in rows], "trajectory": torch.arange(len(rows))}

@@ -31,9 +31,10 @@ def torchrun_grad(model_dir, nproc, micro_tokens, out, keep=None, on_policy=Fals
 
 
 def test_fsdp2_gradient_of_packed_micro_batches_matches_the_padded_rows_in_one_process(tiny_model_dir, tmp_path):
-    """fp32: one policy update over packed micro-batches (the LM head on the action tokens only), on 1
-    and 2 ranks, has the gradient and loss of the padded computation in one process; and on-policy
-    (old logprobs from the update's own forward), the gradient and old logprobs of ratio 1."""
+    """fp32: one policy update over packed micro-batches (a group's prompt once, the LM head on the
+    action tokens only), on 1 and 2 ranks, has the gradient and loss of the padded computation in one
+    process; and on-policy (old logprobs from the update's own forward), the gradient and old
+    logprobs of ratio 1."""
     rows, masks, advantages = batch(load_causal_lm(tiny_model_dir).config.vocab_size)
     references = {}
     for on_policy in (False, True):

@@ -21,7 +21,7 @@ from nanoagent.config import make_config
 from nanoagent.data import fit_prompts, step_prompts
 from nanoagent.engine import pad_token_id
 from nanoagent.model import (build_critic, build_policy, build_reference, collate, critic_forward, decoder_layers, load_causal_lm,
-                             policy_forward, read_weights, shard, synced_micro_batches, training_config)
+                             policy_forward, read_weights, shard, shared_prompts, synced_micro_batches, training_config)
 from nanoagent.tasks import arithmetic
 from nanoagent.env import tool_env
 from nanoagent.tools import calculator_tool
@@ -112,7 +112,7 @@ def test_activation_checkpointing_recomputes_every_layer(process_group, tiny_mod
     forwards = []
     decoder_layers(policy)[0].register_forward_pre_hook(lambda *args: forwards.append(1))
     rows = list(range(len(batch["lengths"])))
-    micro = len(synced_micro_batches(batch["lengths"], cfg.train.micro_batch_tokens))
+    micro = len(synced_micro_batches(batch["lengths"], cfg.train.micro_batch_tokens, list(zip(batch["prompt"].tolist(), batch["prompt_length"].tolist()))))
     assert micro >= 2
     train.update_policy(policy, optimizer, batch, rows, False, cfg, 1, CPU)
     assert len(forwards) == forwards_per_micro_batch * micro
@@ -270,8 +270,9 @@ def test_a_step_value_is_the_critics_after_everything_the_policy_read(process_gr
     ids = torch.tensor([[5, 40, 41, 60, 61, 42, 43], [6, 40, 41, 60, 61, 42, 43], [5, 40, 41, 0, 0, 0, 0]])
     mask = torch.tensor([[0., 1, 1, 0, 0, 1, 1], [0., 1, 1, 0, 0, 1, 1], [0., 1, 1, 0, 0, 0, 0]])
     steps = [[(0, 1, 3), (0, 5, 7)], [(1, 1, 3), (1, 5, 7)], [(2, 1, 3)]]
-    batch = {"input_ids": ids, "position_ids": torch.arange(7).expand(3, 7), "action_mask": mask, "lengths": [7, 7, 3],
-             "trajectory": torch.tensor([0, 1, 2]), "steps": steps}
+    lengths = [7, 7, 3]
+    batch = {"input_ids": ids, **shared_prompts([r[:n] for r, n in zip(ids.tolist(), lengths)], [m[:n] for m, n in zip(mask.tolist(), lengths)]),
+             "action_mask": mask, "lengths": lengths, "trajectory": torch.tensor([0, 1, 2]), "steps": steps}
     rewards = torch.zeros_like(mask)
     rewards[:2, 6], rewards[2, 2] = 1.0, 1.0
     values = train.forward_all(lambda get: critic_forward(critic, get("input_ids"), get("position_ids"), get("action_mask") > 0), batch,

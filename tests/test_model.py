@@ -30,19 +30,29 @@ def test_micro_batches_pack_rows_first_fit_decreasing_within_the_budget():
 
 
 def rows_of_many_lengths(vocab, seed=0):
-    """Token rows from 2 to 300 tokens, with action masks: a prompt, then actions and observations."""
+    """Token rows of 2 to 300 tokens with action masks (a prompt, then actions and observations), and
+    three groups of four rows that share a prompt (5, 80 and 150 tokens), as a GRPO group's samples."""
     g = torch.Generator().manual_seed(seed)
-    lengths = [2, 300, 7, 41, 3, 180, 12, 95, 60, 5]
-    rows = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
-    masks = [[0] + [int(x) for x in (torch.rand(n - 1, generator=g) > 0.4)] for n in lengths]
+    tokens = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
+    acting = lambda n: [1] + [int(x) for x in (torch.rand(n - 1, generator=g) > 0.4)]  # noqa: E731  (starts with an action)
+    rows, masks = [], []
+    for n in [2, 300, 7, 41, 3, 180, 12, 95, 60, 5]:
+        rows.append(tokens(n))
+        masks.append([0] + [int(x) for x in (torch.rand(n - 1, generator=g) > 0.4)])
+    for prompt_length in (5, 80, 150):
+        prompt = tokens(prompt_length)
+        for own in (1, 37, 120, 9):
+            rows.append(prompt + tokens(own))
+            masks.append([0] * prompt_length + acting(own))
     return rows, masks
 
 
 @pytest.mark.parametrize("budget", [10_000, 320, 64])
 def test_packed_passes_give_the_padded_rows_logprobs_values_and_gradients(tiny_model_dir, budget):
-    """fp32: the packed policy and critic passes (one micro-batch, or several, or a row per micro-batch)
-    give the padded computation's logprobs, entropy, nucleus logprobs and values on the action
-    tokens, 0 elsewhere, and a loss over them the same gradient, to 1e-5."""
+    """fp32: the packed policy and critic passes (one micro-batch, or several, or a row per micro-batch;
+    the rows of a shared prompt after one copy of it) give the padded computation's logprobs,
+    entropy, nucleus logprobs and values on the action tokens, 0 elsewhere, and a loss over them the
+    same gradient, to 1e-5."""
     model, plain = load_causal_lm(tiny_model_dir), padded.plain_lm(tiny_model_dir)
     rows, masks = rows_of_many_lengths(model.config.vocab_size)
     batch = padded.batch_of(rows, masks)
@@ -55,10 +65,13 @@ def test_packed_passes_give_the_padded_rows_logprobs_values_and_gradients(tiny_m
     # the gradient of a loss over the logprobs and entropies of the action tokens
     weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)) * mask
     (ref_logprobs * weights + 0.1 * ref_entropy * weights).sum().backward()
-    for idx, get in micro_steps(batch, list(range(len(rows))), budget, CPU):
+    shared = 0
+    for layout, get in micro_steps({**batch, "weights": weights}, list(range(len(rows))), budget, CPU):
         logprobs, entropy, _ = policy_forward(model, get("input_ids"), get("position_ids"), get("action_mask") > 0, 0.7)
-        w = torch.cat([weights[i, :batch["lengths"][i]] for i in idx])[None]
+        w = get("weights")
         (logprobs * w + 0.1 * entropy * w).sum().backward()
+        shared += sum(batch["lengths"][i] for i in layout.rows) - get("input_ids").shape[1]
+    assert shared > 0 if budget > 300 else True  # the groups' prompts were packed once (at 64 tokens each row stands alone)
     grads = dict(plain.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[name].grad, atol=1e-5, rtol=1e-4, msg=name)

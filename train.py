@@ -47,13 +47,12 @@ from nanoagent.agent import run_agent
 from nanoagent.checkpoint import check_resume, export_hf, load_latest, resume_checkpoint, save_checkpoint, start_fresh
 from nanoagent.common import MetricsLog, all_reduce, exit_now, init_distributed, print0, seed_everything
 from nanoagent.config import ConfigError, format_config, make_config, reference, save_config, to_dict
-from nanoagent.data import check_prompts, fit_prompts, step_prompts
+from nanoagent.data import step_prompts
 from nanoagent.engine import SamplingConfig, make_engine, pad_token_id
 from nanoagent.imitation import imitate
 from nanoagent.metrics import evaluate, step_line, step_metrics
-from nanoagent.model import (build_models, collate, critic_forward, forward_all, full_tensors, micro_steps, old_policy_forward, policy_forward,
-                             unpack)
-from nanoagent.tasks import load_task, task_env
+from nanoagent.model import build_models, collate, critic_forward, forward_all, full_tensors, micro_steps, old_policy_forward, policy_forward, unpack
+from nanoagent.tasks import load_task, task_data
 from nanoagent.tiny import resolve_model
 
 
@@ -75,19 +74,6 @@ def parse_args(argv):
 
 # -----------------------------------------------------------------------------
 # the task and the rewards
-
-def task_data(task, cfg, tokenizer):
-    """(train rows, val rows, the task's environments): the task's prompts, made on the spot or read
-    from a file, every one checked (well-formed rows, then data.max_prompt_tokens with chat template
-    and tool schemas included) when loaded, on every rank, before any collective."""
-    env = task_env(task, cfg, tokenizer)
-    rows = {}
-    for split in ("train", "val"):
-        prompts = check_prompts(task.prompts(cfg, split), cfg.data.bad_prompts, f"{cfg.data.task} {split} prompts")
-        lengths = env.prompt_lengths([p["messages"] for p in prompts])
-        rows[split] = fit_prompts(prompts, lengths, cfg.data.max_prompt_tokens, cfg.data.bad_prompts, f"{cfg.data.task} {split} prompts")
-    return rows["train"], rows["val"], env
-
 
 def token_rewards(trajs, batch, tool_call_reward):
     """([R, L] all rewards, [R, L] the process rewards among them) on the batch's action tokens: the
@@ -159,26 +145,17 @@ def optimizer_step(model, optimizer, loss_sum, grad_clip):
     return grad_norm, float(not finite)
 
 
-def mini_batching(batch, kept, cfg):
-    """({trajectory: its kept rows}, the number of mini-batches): every rank takes the same number of
-    optimizer steps, ceil(kept trajectories of all ranks / mini_batch_size), because each is a
-    collective. kept: this rank's rows that train."""
-    rows_of = {}
+def ppo_epochs(models, optimizers, batch, kept, n_mini, policy_moves, on_policy, cfg, step, rank, world, device):
+    """
+    PPO epochs over n_mini mini-batches of the trajectories that train (kept: this rank's rows; a
+    trajectory's rows, one or one per turn, stay in one mini-batch): the critic's step, then the
+    policy's (policy_moves: not in the critic's warm-up; on_policy: see update_policy). Every rank
+    takes the n_mini optimizer steps (each is a collective): one left with no rows runs zero-weight
+    passes. Returns the policy's and the critic's [(shares, globals)] (see update_policy).
+    """
+    rows_of = {}  # trajectory -> its kept rows
     for row in kept:
         rows_of.setdefault(batch["trajectory"][row].item(), []).append(row)
-    [total] = all_reduce([len(rows_of)])
-    return rows_of, math.ceil(total / cfg.ppo.mini_batch_size)
-
-
-def ppo_epochs(models, optimizers, batch, rows_of, n_mini, policy_moves, on_policy, cfg, step, rank, world, device):
-    """
-    PPO epochs over n_mini mini-batches of the trajectories that train (rows_of: this rank's; a
-    trajectory's rows, one or one per turn, stay in one mini-batch): the critic's step, then the
-    policy's (policy_moves: not during the critic's warm-up). A rank left with no rows runs
-    zero-weight passes.
-    on_policy: the policy's update fills batch's old logprobs (see update_policy). Returns the
-    policy's and the critic's [(shares, globals)] (see update_policy).
-    """
     policy_updates, critic_updates = [], []
     order_rng = random.Random(f"{cfg.seed}-{step}-{rank}")
     for epoch in range(cfg.ppo.epochs):
@@ -195,13 +172,10 @@ def ppo_epochs(models, optimizers, batch, rows_of, n_mini, policy_moves, on_poli
 
 def update_policy(policy, optimizer, batch, rows, on_policy, cfg, world, device):
     """
-    One optimizer step of the policy on a mini-batch (row indices of this rank), over packed
-    micro-batches with the LM head on the action tokens only. on_policy: this is the step's only
-    update (one epoch, one mini-batch), so the old logprobs are this forward's, detached (the ratio
-    is 1), and are written into batch["old_logprobs"] and batch["nucleus_logprobs"] for what reads
-    them after (KL, engine_logprob_diff); no pass before the update computed them. Returns (shares,
-    globals): this rank's share of each loss statistic (they add up over ranks to the mini-batch's
-    value) and the values every rank already agrees on (grad norm, skipped).
+    One optimizer step of the policy on a mini-batch (row indices of this rank). on_policy: the step's
+    only update, so the old logprobs are this forward's, detached (ratio 1), written into the batch
+    for what reads them after. Returns (shares, globals): this rank's share of each loss statistic
+    (they add up over ranks to the mini-batch's value) and the values every rank already agrees on.
     """
     global_tokens, global_units, unit_tokens = rl.unit_counts(batch["action_mask"], loss_units(batch, cfg), rows, all_reduce)
     shares = {"pg_loss": 0.0, "clipfrac": 0.0, "approx_kl": 0.0, "entropy": 0.0, "kl_loss": 0.0}
@@ -347,23 +321,20 @@ def main(argv=None):
         mask = batch["action_mask"] = batch["action_mask"] * keep[owner][:, None]
         rewards, process = rewards * mask, process * mask
         t1 = time.perf_counter()
-        # 3. old logprobs recomputed by the trainer (with those renormalised over the top_p nucleus, as the engine reports
-        # them: engine_logprob_diff), unless the update is exactly on-policy: one epoch of one mini-batch, and no KL in the
-        # reward (which needs them now); then the update's own forward gives them. Reference logprobs. Every forward pass
-        # runs over packed micro-batches of the kept rows (a group's prompt once), its LM head over the action tokens only.
-        rows_of, n_mini = mini_batching(batch, kept, cfg)
+        # 3. old logprobs (and renormalised over the top_p nucleus, as the engine reports them: engine_logprob_diff), unless the
+        # update is exactly on-policy (one epoch of one mini-batch, no KL in the reward): then its own forward gives them
+        [trained] = all_reduce([len({owner[row].item() for row in kept})])  # trajectories, all ranks
+        n_mini = math.ceil(trained / cfg.ppo.mini_batch_size)
         policy_moves = cfg.algo != "ppo" or step >= cfg.ppo.critic_warmup_steps
         on_policy = cfg.ppo.epochs == 1 and n_mini <= 1 and cfg.train.kl_mode != "reward" and policy_moves
-        actions = lambda get: get("action_mask") > 0  # noqa: E731  (where a logprob or value is read)
-        if on_policy:
-            batch["old_logprobs"], batch["nucleus_logprobs"] = torch.zeros_like(mask), torch.zeros_like(mask)
-        else:
-            old = forward_all(lambda get: old_policy_forward(policy, get("input_ids"), get("position_ids"), actions(get), cfg.rollout.temperature,
-                                                             cfg.rollout.top_p), batch, kept, cfg.train.micro_batch_tokens, device, per_token=(2,))
+        batch["old_logprobs"], batch["nucleus_logprobs"] = torch.zeros_like(mask), torch.zeros_like(mask)  # the update's, on-policy
+        if not on_policy:
+            old = forward_all(lambda *packed: old_policy_forward(policy, *packed, cfg.rollout.temperature, cfg.rollout.top_p), batch, kept,
+                              cfg.train.micro_batch_tokens, device, per_token=(2,))
             batch["old_logprobs"], batch["nucleus_logprobs"] = old.unbind(-1)
         if ref is not None:
-            batch["ref_logprobs"] = forward_all(lambda get: policy_forward(ref, get("input_ids"), get("position_ids"), actions(get), cfg.rollout.temperature)[0],
-                                                batch, kept, cfg.train.micro_batch_tokens, device)
+            batch["ref_logprobs"] = forward_all(lambda *packed: policy_forward(ref, *packed, cfg.rollout.temperature)[0], batch, kept,
+                                                cfg.train.micro_batch_tokens, device)
         if cfg.train.kl_mode == "reward":  # ppo and reinforce_plus_plus(_baseline) only (config.validate): k1 on every action token
             rewards = rewards - cfg.train.kl_coef * rl.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], "k1") * mask
         t2 = time.perf_counter()
@@ -371,8 +342,7 @@ def main(argv=None):
         # baseline (grpo: its group's mean and std; rloo: the mean of its group's others; reinforce: the batch mean), plus the
         # process rewards still to come; REINFORCE++: discounted token returns, or the summed reward minus its group's mean
         if cfg.algo == "ppo":
-            values = forward_all(lambda get: critic_forward(critic, get("input_ids"), get("position_ids"), actions(get)), batch, kept,
-                                 cfg.train.micro_batch_tokens, device)
+            values = forward_all(lambda *packed: critic_forward(critic, *packed), batch, kept, cfg.train.micro_batch_tokens, device)
             if cfg.ppo.credit == "token":  # a value per action token
                 batch["value_mask"], batch["values"] = mask, values * mask
                 advantages, batch["returns"] = rl.masked_gae(rewards, batch["values"], mask, cfg.ppo.gamma, cfg.ppo.lam)
@@ -397,8 +367,7 @@ def main(argv=None):
             advantages = rl.outcome_token_advantages(baselined, process, mask, batch["steps"])
         batch["advantages"] = advantages
         # 5. PPO epochs over mini-batches of the kept trajectories: critic, then policy (after the critic's warm-up)
-        policy_updates, critic_updates = ppo_epochs(models, optimizers, batch, rows_of, n_mini, policy_moves, on_policy, cfg, step, rank, world,
-                                                    device)
+        policy_updates, critic_updates = ppo_epochs(models, optimizers, batch, kept, n_mini, policy_moves, on_policy, cfg, step, rank, world, device)
         kl = rl.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], "k1") * mask if ref is not None else None  # logged
         t3 = time.perf_counter()
         # 6. the new weights into the engine; one line of metrics

@@ -71,8 +71,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     segment that started at 0 (its prompt) and to itself (causal, aligned to the bottom right).
     Returns ([1, T, H, D], None), as transformers' attention functions do. No mask is built over the
     packed sequence (transformers makes none for an implementation it does not know): its own sdpa
-    path keeps packed rows apart through a T x T block-diagonal mask, T^2 memory and time, 4x slower
-    than padded rows on 8,192-token micro-batches of the tiny model, where this is 1.2x faster.
+    path keeps packed rows apart through a T x T block-diagonal mask, T^2 memory and time.
     """
     positions, T, gqa = position_ids[0], query.shape[2], query.shape[1] != key.shape[1]
     starts = (torch.diff(positions, prepend=positions[:1]) != 1).nonzero().flatten()  # index 0 always
@@ -396,11 +395,12 @@ def unpack(packed, layout, out):
 
 @torch.no_grad()
 def forward_all(model_fn, batch, rows, micro_batch_tokens, device, per_token=()):
-    """A per-token forward function (get -> packed [1, T, *per_token]; get as in micro_steps) over
-    the given rows of the batch; [B, L, *per_token] on the CPU, 0 on the other rows."""
+    """A per-token forward function ((input_ids, position_ids, actions), packed [1, T] -> [1, T,
+    *per_token], read where actions is True) over the given rows of the batch; [B, L, *per_token] on
+    the CPU, 0 on the other rows and tokens."""
     out = torch.zeros(*batch["input_ids"].shape, *per_token)
     for layout, get in micro_steps(batch, rows, micro_batch_tokens, device):
-        unpack(model_fn(get), layout, out)
+        unpack(model_fn(get("input_ids"), get("position_ids"), get("action_mask") > 0), layout, out)
     return out
 
 

@@ -77,10 +77,8 @@ def main():
     before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     kept = [i for i in range(rank, len(rows), world) if args.keep is None or i in args.keep]
-    rows_of, n_mini = train.mini_batching(data, kept, cfg)
-    assert n_mini == 1
-    [(shares, _)], _ = train.ppo_epochs({"policy": model}, {"policy": optimizer}, data, rows_of, n_mini, True, args.on_policy, cfg, 0, rank,
-                                        world, torch.device("cpu"))
+    [(shares, _)], _ = train.ppo_epochs({"policy": model}, {"policy": optimizer}, data, kept, 1, True, args.on_policy, cfg, 0, rank, world,
+                                        torch.device("cpu"))  # one mini-batch
     grads = {n: before[n] - p.full_tensor() for n, p in model.named_parameters()}
     metrics = reduce_metrics(shares, {})  # what train.py logs
     old = data["old_logprobs"].clone()

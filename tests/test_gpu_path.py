@@ -22,7 +22,7 @@ from nanoagent.data import fit_prompts, step_prompts
 from nanoagent.engine import pad_token_id
 from nanoagent.model import (build_critic, build_policy, build_reference, collate, critic_forward, decoder_layers, load_causal_lm,
                              policy_forward, read_weights, shard, shared_prompts, synced_micro_batches, training_config)
-from nanoagent.tasks import arithmetic
+from nanoagent.tasks import arithmetic, task_data
 from nanoagent.env import tool_env
 from nanoagent.tools import calculator_tool
 
@@ -170,7 +170,7 @@ def test_long_prompts_stop_every_rank_when_the_data_is_loaded(tiny_model_dir):
     before any collective: the run ends at once with the count and the first ids, no hang."""
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = make_config("tiny")
-    _, _, env = train.task_data(arithmetic, cfg, tok)
+    _, _, env = task_data(arithmetic, cfg, tok)
     rows = arithmetic.prompts(cfg, "train")
     lengths = env.prompt_lengths([r["messages"] for r in rows])
     assert min(lengths) < max(lengths)  # the two phrasings
@@ -181,7 +181,7 @@ def test_long_prompts_stop_every_rank_when_the_data_is_loaded(tiny_model_dir):
     assert proc.returncode != 0
     assert f"{len(over)} of {len(rows)} prompts are longer than data.max_prompt_tokens={min(lengths)} (first: {over[0]}," in proc.stderr
     assert "data.bad_prompts=drop" in proc.stderr
-    kept, _, _ = train.task_data(arithmetic, make_config("tiny", [f"data.max_prompt_tokens={min(lengths)}", "data.bad_prompts=drop"]), tok)
+    kept, _, _ = task_data(arithmetic, make_config("tiny", [f"data.max_prompt_tokens={min(lengths)}", "data.bad_prompts=drop"]), tok)
     assert len(kept) == len(rows) - len(over) and not {r["id"] for r in kept} & set(over)
 
 
@@ -194,7 +194,7 @@ def test_step_credit_trains_the_critic_where_the_step_values_are_read_only(proce
     batch = update_batch(tok)
     cfg = make_config("tiny", ["algo=ppo", "ppo.credit=step"])
     critic = build_critic(training_config(tiny_model_dir), read_weights(tiny_model_dir), CPU, torch.float32, False)
-    values = train.forward_all(lambda get: critic_forward(critic, get("input_ids"), get("position_ids"), get("action_mask") > 0), batch,
+    values = train.forward_all(lambda *packed: critic_forward(critic, *packed), batch,
                                list(range(len(batch["lengths"]))), 10_000, CPU)
     boundaries = (batch["action_mask"].diff(dim=1, prepend=torch.zeros_like(batch["action_mask"][:, :1])) > 0).float()  # action starts
     assert 0 < boundaries.sum() < batch["action_mask"].sum()
@@ -226,9 +226,9 @@ def test_a_row_per_turn_trains_like_one_row_when_nothing_is_left_out(process_gro
         torch.manual_seed(0)  # the same value head in both contexts, with values that differ from token to token
         with torch.no_grad():
             torch.nn.init.normal_(critic.value_head.weight, std=0.1)
-        batch["old_logprobs"] = train.forward_all(lambda get: policy_forward(policy, get("input_ids"), get("position_ids"), get("action_mask") > 0)[0],
+        batch["old_logprobs"] = train.forward_all(lambda *packed: policy_forward(policy, *packed)[0],
                                                   batch, rows, 400, CPU)
-        values = train.forward_all(lambda get: critic_forward(critic, get("input_ids"), get("position_ids"), get("action_mask") > 0), batch, rows,
+        values = train.forward_all(lambda *packed: critic_forward(critic, *packed), batch, rows,
                                    400, CPU)
         batch["step_advantages"], batch["returns"], batch["value_mask"] = rl.step_gae(batch["rewards"], values, batch["action_mask"],
                                                                                       batch["steps"], 0.9, 0.8)
@@ -275,7 +275,7 @@ def test_a_step_value_is_the_critics_after_everything_the_policy_read(process_gr
              "action_mask": mask, "lengths": lengths, "trajectory": torch.tensor([0, 1, 2]), "steps": steps}
     rewards = torch.zeros_like(mask)
     rewards[:2, 6], rewards[2, 2] = 1.0, 1.0
-    values = train.forward_all(lambda get: critic_forward(critic, get("input_ids"), get("position_ids"), get("action_mask") > 0), batch,
+    values = train.forward_all(lambda *packed: critic_forward(critic, *packed), batch,
                                [0, 1, 2], 400, CPU)
     advantages, batch["returns"], batch["value_mask"] = rl.step_gae(rewards, values, mask, steps, 1.0, 1.0)
     batch["values"] = values * batch["value_mask"]

@@ -445,7 +445,7 @@ def test_trajectories_are_token_exact_under_qwens_vocabulary(tagging_qwen_dir, m
 
     batch = collate(trajs, tok.pad_token_id)
     model = load_causal_lm(tagging_qwen_dir)
-    logprobs = forward_all(lambda get: policy_forward(model, get("input_ids"), get("position_ids"), get("action_mask") > 0, sampling.temperature)[0],
+    logprobs = forward_all(lambda *packed: policy_forward(model, *packed, sampling.temperature)[0],
                            batch, list(range(len(trajs))), 100_000, torch.device("cpu"))
     mask = batch["action_mask"].bool()
     torch.testing.assert_close(batch["rollout_logprobs"][mask], logprobs[mask], atol=1e-4, rtol=0)

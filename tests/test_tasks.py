@@ -11,7 +11,7 @@ import pytest
 
 import procs
 from nanoagent.config import ConfigError, make_config
-from nanoagent.tasks import load_task, task_names
+from nanoagent.tasks import load_task, task_data, task_names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -107,4 +107,4 @@ def test_every_tasks_prompts_get_the_load_check(tmp_path):
     (tmp_path / "lookup.py").write_text(LOOKUP_TASK.replace('"answers": [PRICES[sku]]', '"answers": [int(PRICES[sku])]'))
     with pytest.raises(ValueError, match=r"lookup.py train prompts: 12 of 12 prompts cannot be trained on \(first: train-0 \(answers must "
                                          r"be a list of strings, got \[3\]\); train-1 .*data.bad_prompts=drop"):
-        train.task_data(load_task(str(tmp_path / "lookup.py")), make_config("tiny", [f"data.task={tmp_path / 'lookup.py'}"]), tokenizer=None)
+        task_data(load_task(str(tmp_path / "lookup.py")), make_config("tiny", [f"data.task={tmp_path / 'lookup.py'}"]), tokenizer=None)

@@ -30,6 +30,7 @@ import importlib.util
 import os
 
 from nanoagent.config import task_names
+from nanoagent.data import check_prompts, fit_prompts
 from nanoagent.env import ChatEnv, tool_env
 
 
@@ -61,3 +62,16 @@ def task_env(task, cfg, tokenizer, tools=None):
         return ChatEnv(task.environment(cfg), tokenizer, (), r.max_obs_tokens, r.context, r.keep_turns, r.step_timeout_s)
     return tool_env(task.tools(cfg) if tools is None else tools, tokenizer, r.max_obs_tokens, r.tool_timeout_s, r.context, r.keep_turns,
                     step_timeout_s=r.step_timeout_s)
+
+
+def task_data(task, cfg, tokenizer):
+    """(train rows, val rows, the task's environments): the task's prompts, made on the spot or read
+    from a file, every one checked (well-formed rows, then data.max_prompt_tokens with chat template
+    and tool schemas included) when loaded, on every rank, before any collective."""
+    env = task_env(task, cfg, tokenizer)
+    rows = {}
+    for split in ("train", "val"):
+        prompts = check_prompts(task.prompts(cfg, split), cfg.data.bad_prompts, f"{cfg.data.task} {split} prompts")
+        lengths = env.prompt_lengths([p["messages"] for p in prompts])
+        rows[split] = fit_prompts(prompts, lengths, cfg.data.max_prompt_tokens, cfg.data.bad_prompts, f"{cfg.data.task} {split} prompts")
+    return rows["train"], rows["val"], env

@@ -11,7 +11,7 @@ rendered through its chat template with the calculator's schema (TRL is given th
 samples are one mini-batch), lr 1e-4, fp32, no KL, no activation checkpointing, every group trained
 (grpo.drop_uniform_groups=false: with random weights every reward is 0). TRL generates with
 transformers (its vLLM colocate mode needs a GPU build of vLLM); nanoagent with its vLLM engine. A
-random model seldom ends a sample early, so both sides generate and train on ~64 x 64 tokens a step.
+random model seldom ends a sample early, so both sides generate and train on ~64 x 60 tokens a step.
 
 Each sitting runs nanoagent's train.py, then TRL, each in a fresh process, one after the other; a
 side's figure is the median of its steps 2..N-1 (the first warms caches and compiles). nanoagent's step
@@ -91,13 +91,14 @@ def main():
     for sitting in range(args.sittings):
         with tempfile.TemporaryDirectory() as run_dir:
             metrics = nanoagent_steps(args.steps, run_dir)[1:-1]
-        ours, rollout, update = (statistics.median(m[k] for m in metrics) for k in ("time/step", "time/rollout", "time/update"))
+        ours, rollout, update, response = (statistics.median(m[k] for m in metrics)
+                                           for k in ("time/step", "time/rollout", "time/update", "response_tokens"))
         out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "trl_grpo.py"), f"--steps={args.steps}"], check=True,
                              capture_output=True, text=True, env={**os.environ, "PYTHONPATH": args.trl_dir}).stdout
         trl = json.loads(out.split("TRL_STEPS", 1)[1])
         theirs, generation = (statistics.median(trl[k][1:-1]) for k in ("step", "generation"))
         ratios.append(theirs / ours)
-        print(f"sitting {sitting + 1}: nanoagent {ours:.3f} s/step (rollout {rollout:.3f}, update {update:.3f}) | "
+        print(f"sitting {sitting + 1}: nanoagent {ours:.3f} s/step (rollout {rollout:.3f}, update {update:.3f}; {response:.0f} tokens a sample) | "
               f"TRL GRPOTrainer {theirs:.3f} s/step (generation {generation:.3f}) | nanoagent {theirs / ours:.2f}x faster")
     print(f"median over {args.sittings} sittings: nanoagent {statistics.median(ratios):.2f}x TRL's speed")
     floor = generation_floor()

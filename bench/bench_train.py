@@ -4,6 +4,7 @@ Training speed (prints figures; asserts nothing).
     python bench/bench_train.py                 # CPU: the tiny config end to end, time per phase (grpo, ppo, ppo.credit=step,
                                                 #   each turn with its own context: rollout.context=last_k)
     python bench/bench_train.py --packing       # CPU or GPU: the update's tokens/s, packed against padded, in one process
+    python bench/bench_train.py --packing --shape=qwen2.5-1.5b   # GPU: the same at Qwen2.5-1.5B's shape, bf16
     python bench/bench_train.py --update-only   # GPU: update tokens/s and MFU, Qwen2.5-1.5B shape
 
 1. End to end (CPU or GPU): runs train.py on the tiny preset for a few steps in a subprocess and
@@ -19,7 +20,8 @@ Training speed (prints figures; asserts nothing).
    that, 60% of the tokens observations), (c) GRPO groups as TRL's GRPOTrainer is compared on (8
    samples of a prompt of 230-270 tokens, answers of 40-64 tokens: a group's prompt is computed once).
    Each with the tiny model's own vocabulary and with Qwen2.5's (151,936 rows: there the LM head is
-   most of the work). Reports the rows' tokens per second (a shared prompt counted once per row, as
+   most of the work), or (--shape=qwen2.5-1.5b, for a GPU) with a random model of Qwen2.5-1.5B's shape
+   in bf16. Reports the rows' tokens per second (a shared prompt counted once per row, as
    the padded rows compute it), the padding fraction (padded positions computed / real tokens) and
    the ratio.
 3. Update only (GPU): a Qwen2.5-1.5B-shaped model with random weights, FSDP2 on one GPU, bf16
@@ -39,6 +41,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+QWEN_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True)
 
 
 def end_to_end(steps, algo, nproc, credit="token", context="full"):
@@ -93,9 +97,9 @@ def shaped_batch(kind, rows, vocab, seed=0):
     return [t for t, _ in out], [m for _, m in out]
 
 
-def packing(budget=8192):
+def packing(shape, budget=8192):
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from nanoagent import rl
     from nanoagent.common import median_time
@@ -132,11 +136,23 @@ def packing(budget=8192):
             (-(logprobs * mask).sum() / mask.sum()).backward()
         model.zero_grad(set_to_none=True)
 
-    with tempfile.TemporaryDirectory() as tmp:
+    def models(tmp):  # (name, padded model, packed model with the same weights, rows a batch)
+        if shape == "qwen2.5-1.5b":
+            torch.manual_seed(0)
+            with torch.device(device):
+                padded = Qwen2ForCausalLM._from_config(Qwen2Config(**QWEN_1_5B), attn_implementation="sdpa", dtype=torch.bfloat16)
+                packed = Qwen2ForCausalLM._from_config(Qwen2Config(**QWEN_1_5B), attn_implementation=PACKED, dtype=torch.bfloat16)
+            packed.load_state_dict(padded.state_dict())
+            yield "Qwen2.5-1.5B shape, bf16, vocab", padded.train(), packed.train(), 32
+            return
         for vocab, n_rows in (("tiny", 64), ("qwen", 16)):
             path = build_tiny_model(os.path.join(tmp, vocab), vocab=vocab)
             padded = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").to(device).train()
             packed = AutoModelForCausalLM.from_pretrained(path, attn_implementation=PACKED).to(device).train()
+            yield f"vocab {vocab}", padded, packed, n_rows
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, padded, packed, n_rows in models(tmp):
             for kind in ("tiny", "long_tail", "groups"):
                 rows, masks = shaped_batch(kind, n_rows, padded.config.vocab_size)
                 lengths = [len(r) for r in rows]
@@ -147,7 +163,7 @@ def packing(budget=8192):
                 pairs = [(median_time(lambda: padded_pass(padded, rows, masks), 1), median_time(lambda: packed_pass(packed, batch), 1))
                          for _ in range(3)]  # in turn, so that the machine's load drifts over both alike
                 before, after = statistics.median(b for b, _ in pairs), statistics.median(a for _, a in pairs)
-                print(f"{kind:>9} batch, vocab {vocab} ({padded.config.vocab_size}), {n_rows} rows, {tokens} tokens "
+                print(f"{kind:>9} batch, {name} ({padded.config.vocab_size}), {n_rows} rows, {tokens} tokens "
                       f"({sum(map(sum, masks)) / tokens:.0%} actions, longest {max(lengths)}), budget {budget}: padded {tokens / before:,.0f} "
                       f"tokens/s (padding {computed / tokens - 1:.0%}), packed {tokens / after:,.0f} tokens/s (padding 0%): {before / after:.2f}x",
                       flush=True)
@@ -162,8 +178,7 @@ def update_only(micro_tokens=16384, seq_len=2048, steps=5):
     from nanoagent.common import init_distributed
     from nanoagent.model import PACKED, policy_forward, shard
     _, world, device = init_distributed()
-    config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                         num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True)
+    config = Qwen2Config(**QWEN_1_5B)
     with torch.device(device):
         model = Qwen2ForCausalLM._from_config(config, attn_implementation=PACKED)
     n_params = sum(p.numel() for p in model.parameters())
@@ -201,12 +216,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--update-only", action="store_true")
     parser.add_argument("--packing", action="store_true")
+    parser.add_argument("--shape", choices=["tiny", "qwen2.5-1.5b"], default="tiny", help="--packing: the model's shape")
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
     if args.update_only:
         update_only()
     elif args.packing:
-        packing()
+        packing(args.shape)
     else:
         for algo, credit, context in (("grpo", "token", "full"), ("grpo", "token", "last_k"), ("ppo", "token", "full"),
                                       ("ppo", "step", "full"), ("ppo", "step", "last_k")):

@@ -24,16 +24,17 @@ token t come from the hidden state at position t-1 (the state in which token t w
 are stored at index t. Index 0 holds 0. So every per-token tensor is [B, L], aligned with the ids
 and with the action mask of the same row.
 
-Packed micro-batches: a batch is [B, L] on the host (collate), but the models never see padding.
-The rows of a micro-batch are laid end to end into one sequence [1, T] (at most
-train.micro_batch_tokens tokens unless one row is longer), with position ids that restart at 0 on
-every row, and attention that stays within each row: packed_attention, transformers' attention
-interface at work, runs causal attention row by row (one scaled_dot_product_attention per row: its
-flash kernel on a GPU, and no T x T mask anywhere). Rows that begin with the same prompt (a GRPO
-group's G samples: system prompt, tool schemas, question, often most of a row) share one copy of it:
-the prompt, then each row's own tokens, positions going on from the prompt's, each attending to the
-prompt and to itself (a tree, not a chain), so the prompt's forward and backward are paid once, not
-G times. Rows go into micro-batches first-fit decreasing, a prompt's rows together where they fit,
+Packed micro-batches: a batch is [B, L] on the host (collate), but the models never compute
+padding (attention aside, below). The rows of a micro-batch are laid end to end into one sequence
+[1, T] (at most train.micro_batch_tokens tokens unless one row is longer), with position ids that
+restart at 0 on every row, and attention that stays within each row: packed_attention,
+transformers' attention interface at work, makes one scaled_dot_product_attention call per bucket
+of rows of about the same length, padded to the bucket's longest (flash on a GPU where no mask is
+needed, and no T x T mask anywhere); a call per row would be launch-bound on a GPU. Rows that
+begin with the same prompt (a GRPO group's G samples: system prompt, tool schemas, question, often
+most of a row) share one copy of it: the prompt, then each row's own tokens, positions going on
+from the prompt's, each attending to the prompt and to itself (a tree, not a chain), so the
+prompt's forward and backward are paid once, not G times. Rows go into micro-batches first-fit decreasing, a prompt's rows together where they fit,
 and every rank runs as many micro-batches as the busiest (FSDP's forward and backward are
 collectives). Results come back to [B, L] exactly (unpack).
 
@@ -53,7 +54,6 @@ from accelerate import init_empty_weights
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
 from nanoagent.common import all_reduce
@@ -62,31 +62,67 @@ from nanoagent.rl import logprobs_and_entropy, nucleus_logprobs
 PACKED = "nanoagent_packed"  # the trainer's attention implementation (packed_attention), by its name in transformers
 
 
-def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, position_ids=None, **kwargs):
+def attention_plan(position_ids):
     """
-    Causal attention within each row of a packed sequence, segment by segment: query [1, H, T, D],
-    key and value [1, Hkv, T, D]. A segment is a run of positions going up by one. One that starts
-    at position 0 opens a row (or a shared prompt) and attends to itself; one that starts at p > 0
-    is a row's own tokens after a shared prompt and attends to the first p tokens of the last
-    segment that started at 0 (its prompt) and to itself (causal, aligned to the bottom right).
-    Returns ([1, T, H, D], None), as transformers' attention functions do. No mask is built over the
-    packed sequence (transformers makes none for an implementation it does not know): its own sdpa
-    path keeps packed rows apart through a T x T block-diagonal mask, T^2 memory and time.
+    How packed_attention attends in a packed sequence ([1, T] positions), read once a forward on the
+    host. A segment is a run of positions going up by one, (start, end, prompt start, prompt length
+    p): one that starts at position 0 opens a row (or a shared prompt), p = 0; one that starts at
+    p > 0 is a row's own tokens after a shared prompt, the first p tokens of the last segment that
+    opened at 0. Segments of about the same length (query and key lengths up to the same powers of 2)
+    make one bucket, computed by one attention call: (query index [S * Q], key index [S * K] into the packed
+    sequence, mask [S, 1, Q, K] or None where every segment opens a row and all are Q long: plain
+    causal), each with its S first. Padded queries see one key and are dropped. Returns (buckets, out
+    [T]: where each position's output sits among the buckets' outputs laid end to end).
     """
-    positions, T, gqa = position_ids[0], query.shape[2], query.shape[1] != key.shape[1]
-    starts = (torch.diff(positions, prepend=positions[:1]) != 1).nonzero().flatten()  # index 0 always
-    out, root = [], 0
-    for s, e, p in zip(starts.tolist(), starts.tolist()[1:] + [T], positions[starts].tolist()):
-        if p == 0:
-            root = s
-            out.append(F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling,
-                                                      enable_gqa=gqa))
-        else:
-            k = torch.cat([key[:, :, root:root + p], key[:, :, s:e]], 2)
-            v = torch.cat([value[:, :, root:root + p], value[:, :, s:e]], 2)
-            out.append(F.scaled_dot_product_attention(query[:, :, s:e], k, v, attn_mask=causal_lower_right(e - s, p + e - s), scale=scaling,
-                                                      enable_gqa=gqa))
-    return torch.cat(out, 2).transpose(1, 2).contiguous(), None
+    positions, device = position_ids[0], position_ids.device
+    starts = (torch.diff(positions, prepend=positions[:1]) != 1).nonzero().flatten().tolist()  # index 0 always
+    by_length, root = {}, 0
+    for s, e, p in zip(starts, starts[1:] + [len(positions)], positions[starts].tolist()):
+        root = s if p == 0 else root
+        by_length.setdefault(((e - s - 1).bit_length(), (p + e - s - 1).bit_length()), []).append((s, e, root, p))
+    buckets, out, done = [], [0] * len(positions), 0
+    for segments in by_length.values():
+        S, Q, K = len(segments), max(e - s for s, e, _, _ in segments), max(p + e - s for s, e, _, p in segments)
+        query_index, key_index = torch.zeros(S, Q, dtype=torch.long), torch.zeros(S, K, dtype=torch.long)
+        mask = torch.zeros(S, 1, Q, K, dtype=torch.bool)
+        for i, (s, e, root, p) in enumerate(segments):
+            n = e - s
+            query_index[i, :n] = key_index[i, p:p + n] = torch.arange(s, e)
+            key_index[i, :p] = torch.arange(root, root + p)
+            mask[i, 0, :n, :p] = True
+            mask[i, 0, :n, p:p + n] = torch.ones(n, n, dtype=torch.bool).tril()
+            mask[i, 0, n:, 0] = True
+            out[s:e] = range(done + i * Q, done + i * Q + n)
+        causal = all(p == 0 for _, _, _, p in segments)  # keys past a row's end come after all its queries
+        buckets.append((S, query_index.flatten().to(device), key_index.flatten().to(device), None if causal else mask.to(device)))
+        done += S * Q
+    return buckets, torch.tensor(out, device=device)
+
+
+def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, position_ids=None, plan=None, **kwargs):
+    """
+    Causal attention within each row of a packed sequence: query [1, H, T, D], key and value
+    [1, Hkv, T, D]. A row attends to itself; a row's own tokens after a shared prompt attend to the
+    prompt and to themselves (a tree). One attention call per bucket of segments (attention_plan),
+    not per row: on a GPU, a call per row and layer is launch-bound (a GRPO batch has dozens). The
+    forward's caller passes the plan (model(..., plan=...), which transformers hands every layer),
+    read once from the positions: read here, every layer would wait for the GPU. Returns
+    ([1, T, H, D], None), as transformers' attention functions do. No mask is built over the packed
+    sequence (transformers makes none for an implementation it does not know): its own sdpa path
+    keeps packed rows apart through a T x T block-diagonal mask, T^2 memory and time.
+    """
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention takes one packed sequence, [1, T] ids and positions; got a batch of {query.shape[0]}")
+    buckets, out = plan if plan is not None else attention_plan(position_ids)
+    H, D, repeat = query.shape[1], query.shape[3], query.shape[1] // key.shape[1]
+    results = []
+    for S, query_index, key_index, mask in buckets:
+        q = query[0].index_select(1, query_index).view(H, S, -1, D).transpose(0, 1)                          # [S, H, Q, D]
+        k, v = (x[0].index_select(1, key_index).view(x.shape[1], S, -1, D).transpose(0, 1).repeat_interleave(repeat, 1)
+                for x in (key, value))                                                                    # [S, H, K, D]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling)   # [S, H, Q, D]
+        results.append(o.transpose(1, 2).reshape(-1, H, D))                                               # [S * Q, H, D]
+    return torch.cat(results).index_select(0, out)[None], None                                           # [1, T, H, D]
 
 
 AttentionInterface.register(PACKED, packed_attention)
@@ -111,7 +147,8 @@ class Critic(nn.Module):
 
     def forward(self, input_ids, position_ids, at):
         """The values of the states at positions `at` ([N]) of a packed sequence [1, T]: [N] fp32."""
-        hidden = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state  # [1, T, H]
+        hidden = self.backbone(input_ids=input_ids, position_ids=position_ids, plan=attention_plan(position_ids),
+                               use_cache=False).last_hidden_state                                                 # [1, T, H]
         values = self.value_head(hidden[0, at].float())                                                          # [N, 1] fp32
         # FSDP2 hooks the backward onto a module's output, which must not be a view of another tensor
         return values.view(-1).clone()                                                                           # [N]
@@ -444,7 +481,8 @@ def policy_forward(model, input_ids, position_ids, needed, temperature=1.0, top_
     like. The LM head runs on the states that predict a needed token only (logits_to_keep).
     """
     tokens, at = read_positions(position_ids, needed)                                           # [N], [N]
-    logits = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=at, use_cache=False).logits[0]  # [N, V]
+    logits = model(input_ids=input_ids, position_ids=position_ids, plan=attention_plan(position_ids), logits_to_keep=at,
+                   use_cache=False).logits[0]                                                   # [N, V]
     labels = input_ids[0, tokens]                                                               # [N]
     chosen = None
     if top_p is not None and top_p < 1.0:  # before logprobs_and_entropy, whose backward overwrites the logits

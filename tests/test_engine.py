@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_leaves
 from transformers import AutoTokenizer
 
 from nanoagent.engine import HFEngine, SamplingConfig, VLLMEngine, stop_token_ids
-from nanoagent.model import load_causal_lm, pad_rows, policy_forward
+from nanoagent.model import load_causal_lm, policy_forward
 from nanoagent.rl import nucleus_logprobs
 
 # logits x 7: the random tiny model's next-token distributions go from near uniform to peaked like a
@@ -86,11 +86,11 @@ def trainer_view(model, prompts, gens, temperature):
     ids, positions = torch.tensor([sum(rows, [])]), torch.tensor([[t for r in rows for t in range(len(r))]])   # [1, T]
     sampled = torch.tensor([[t >= len(p) for p, r in zip(prompts, rows) for t in range(len(r))]])
     logprobs, entropy, _ = policy_forward(model, ids, positions, sampled, temperature)                  # [1, T]
-    logits = model(input_ids=pad_rows(rows, 0)).logits                                                   # [B, L, V]
+    logits = model(input_ids=ids, position_ids=positions).logits[0]                                      # [T, V]
     out, start = [], 0
     for i, (p, g) in enumerate(zip(prompts, gens)):
         span = slice(start + len(p), start + len(p) + len(g.token_ids))
-        out.append((logprobs[0, span], entropy[0, span], logits[i, len(p) - 1:len(p) + len(g.token_ids) - 1]))
+        out.append((logprobs[0, span], entropy[0, span], logits[span.start - 1:span.stop - 1]))
         start += len(rows[i])
     return out
 

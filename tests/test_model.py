@@ -9,8 +9,9 @@ import padded
 from nanoagent.agent import run_agent
 from nanoagent.engine import HFEngine, SamplingConfig, stop_token_ids
 from nanoagent.env import tool_env
-from nanoagent.model import (Critic, critic_forward, forward_all, load_causal_lm, micro_batches, micro_steps, old_policy_forward,
-                             policy_forward)
+from nanoagent import model as model_module
+from nanoagent.model import (Critic, attention_plan, critic_forward, forward_all, load_causal_lm, micro_batches, micro_steps,
+                             old_policy_forward, policy_forward)
 from nanoagent.tools import calculator_tool
 
 CPU = torch.device("cpu")
@@ -89,6 +90,21 @@ def test_a_needed_token_must_not_open_its_row(tiny_model_dir):
     ids, positions = torch.tensor([[5, 9, 11, 7, 8]]), torch.tensor([[0, 1, 2, 0, 1]])
     with pytest.raises(ValueError, match="opens its row"):
         policy_forward(model, ids, positions, torch.tensor([[False, True, False, True, False]]))
+
+
+def test_attention_is_planned_once_a_forward_over_one_packed_sequence(tiny_model_dir, monkeypatch):
+    """The rows' layout is read from the positions once a forward, not in every layer (on a GPU each
+    read waits for the device), activation checkpointing's recompute included; a batch of several
+    sequences is refused, not computed as if it were one."""
+    model = load_causal_lm(tiny_model_dir).train()
+    model.gradient_checkpointing_enable()
+    plans = []
+    monkeypatch.setattr(model_module, "attention_plan", lambda positions: plans.append(positions) or attention_plan(positions))
+    ids, positions = torch.tensor([[5, 9, 11, 7, 8, 4]]), torch.tensor([[0, 1, 2, 0, 1, 2]])
+    policy_forward(model, ids, positions, positions > 0)[0].sum().backward()
+    assert len(plans) == 1 and model.config.num_hidden_layers > 1
+    with pytest.raises(ValueError, match="one packed sequence"):
+        model(input_ids=ids.repeat(2, 1))
 
 
 def test_policy_forward_is_aligned_and_matches_rollout(tiny_model_dir):

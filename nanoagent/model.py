@@ -83,18 +83,19 @@ def attention_plan(position_ids):
     buckets, out, done = [], [0] * len(positions), 0
     for segments in by_length.values():
         S, Q, K = len(segments), max(e - s for s, e, _, _ in segments), max(p + e - s for s, e, _, p in segments)
+        causal = all(p == 0 for _, _, _, p in segments)  # keys past a row's end come after all its queries
         query_index, key_index = torch.zeros(S, Q, dtype=torch.long), torch.zeros(S, K, dtype=torch.long)
-        mask = torch.zeros(S, 1, Q, K, dtype=torch.bool)
+        mask = None if causal else torch.zeros(S, 1, Q, K, dtype=torch.bool)
         for i, (s, e, root, p) in enumerate(segments):
             n = e - s
             query_index[i, :n] = key_index[i, p:p + n] = torch.arange(s, e)
             key_index[i, :p] = torch.arange(root, root + p)
-            mask[i, 0, :n, :p] = True
-            mask[i, 0, :n, p:p + n] = torch.ones(n, n, dtype=torch.bool).tril()
-            mask[i, 0, n:, 0] = True
             out[s:e] = range(done + i * Q, done + i * Q + n)
-        causal = all(p == 0 for _, _, _, p in segments)  # keys past a row's end come after all its queries
-        buckets.append((S, query_index.flatten().to(device), key_index.flatten().to(device), None if causal else mask.to(device)))
+            if mask is not None:
+                mask[i, 0, :n, :p] = True
+                mask[i, 0, :n, p:p + n] = torch.ones(n, n, dtype=torch.bool).tril()
+                mask[i, 0, n:, 0] = True
+        buckets.append((S, query_index.flatten().to(device), key_index.flatten().to(device), None if mask is None else mask.to(device)))
         done += S * Q
     return buckets, torch.tensor(out, device=device)
 

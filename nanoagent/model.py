@@ -34,9 +34,10 @@ needed, and no T x T mask anywhere); a call per row would be launch-bound on a G
 begin with the same prompt (a GRPO group's G samples: system prompt, tool schemas, question, often
 most of a row) share one copy of it: the prompt, then each row's own tokens, positions going on
 from the prompt's, each attending to the prompt and to itself (a tree, not a chain), so the
-prompt's forward and backward are paid once, not G times. Rows go into micro-batches first-fit decreasing, a prompt's rows together where they fit,
-and every rank runs as many micro-batches as the busiest (FSDP's forward and backward are
-collectives). Results come back to [B, L] exactly (unpack).
+prompt's forward and backward are paid once, not G times. Rows go into micro-batches first-fit
+decreasing, a prompt's rows together where they fit, and every rank runs as many micro-batches as
+the busiest (FSDP's forward and backward are collectives). Results come back to [B, L] exactly
+(unpack).
 
 Logits only where a logprob is used: the LM head, the log-softmax and the entropy run over the
 hidden states of the positions whose next token is an action token (transformers' logits_to_keep,
@@ -69,10 +70,11 @@ def attention_plan(position_ids):
     p): one that starts at position 0 opens a row (or a shared prompt), p = 0; one that starts at
     p > 0 is a row's own tokens after a shared prompt, the first p tokens of the last segment that
     opened at 0. Segments of about the same length (query and key lengths up to the same powers of 2)
-    make one bucket, computed by one attention call: (query index [S * Q], key index [S * K] into the packed
-    sequence, mask [S, 1, Q, K] or None where every segment opens a row and all are Q long: plain
-    causal), each with its S first. Padded queries see one key and are dropped. Returns (buckets, out
-    [T]: where each position's output sits among the buckets' outputs laid end to end).
+    make one bucket, computed by one attention call: (S segments, query index [S * Q] and key index
+    [S * K] into the packed sequence, mask [S, 1, Q, K], or None where every segment opens a row:
+    plain causal then, as a row's padded keys come after all its queries). Padded queries see one key
+    and are dropped. Returns (buckets, out [T]: where each position's output sits among the buckets'
+    outputs laid end to end).
     """
     positions, device = position_ids[0], position_ids.device
     starts = (torch.diff(positions, prepend=positions[:1]) != 1).nonzero().flatten().tolist()  # index 0 always
@@ -83,9 +85,8 @@ def attention_plan(position_ids):
     buckets, out, done = [], [0] * len(positions), 0
     for segments in by_length.values():
         S, Q, K = len(segments), max(e - s for s, e, _, _ in segments), max(p + e - s for s, e, _, p in segments)
-        causal = all(p == 0 for _, _, _, p in segments)  # keys past a row's end come after all its queries
         query_index, key_index = torch.zeros(S, Q, dtype=torch.long), torch.zeros(S, K, dtype=torch.long)
-        mask = None if causal else torch.zeros(S, 1, Q, K, dtype=torch.bool)
+        mask = None if all(p == 0 for _, _, _, p in segments) else torch.zeros(S, 1, Q, K, dtype=torch.bool)
         for i, (s, e, root, p) in enumerate(segments):
             n = e - s
             query_index[i, :n] = key_index[i, p:p + n] = torch.arange(s, e)
@@ -95,7 +96,7 @@ def attention_plan(position_ids):
                 mask[i, 0, :n, :p] = True
                 mask[i, 0, :n, p:p + n] = torch.ones(n, n, dtype=torch.bool).tril()
                 mask[i, 0, n:, 0] = True
-        buckets.append((S, query_index.flatten().to(device), key_index.flatten().to(device), None if mask is None else mask.to(device)))
+        buckets.append((S, query_index.flatten().to(device), key_index.flatten().to(device), mask if mask is None else mask.to(device)))
         done += S * Q
     return buckets, torch.tensor(out, device=device)
 

@@ -8,7 +8,7 @@ the warm-started greedy policy answers those questions wrong. Then every estimat
 (ESTIMATORS), each from the same warm-started export and with the same RL budget, must raise the
 held-out greedy reward by >= 0.2 absolute, at one of the evaluations after steps 2, 4 and 6: on 32
 held-out questions of two phrasings, greedy answers flip a whole phrasing at once, and a run that
-learns can be caught at a step where they flipped back (PPO with step credit, seed 0: 0.50 -> 0.50,
+learns can be caught at a step where they flipped back (PPO with step credit, seed 0, avx2: 0.50 -> 0.50,
 0.97, 0.38 at steps 2, 4, 6; 0.91 at 8 and 10). The RL runs go two at a time, one thread each: on 2
 cores that is ~1.6x the throughput of one run on two threads.
 """

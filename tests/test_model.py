@@ -6,10 +6,10 @@ import torch
 from transformers import AutoTokenizer
 
 import padded
+from nanoagent import model as model_module
 from nanoagent.agent import run_agent
 from nanoagent.engine import HFEngine, SamplingConfig, stop_token_ids
 from nanoagent.env import tool_env
-from nanoagent import model as model_module
 from nanoagent.model import (Critic, attention_plan, critic_forward, forward_all, load_causal_lm, micro_batches, micro_steps,
                              old_policy_forward, policy_forward)
 from nanoagent.tools import calculator_tool

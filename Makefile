@@ -1,4 +1,4 @@
-# nanoagent: `make install` then `make test`; `make demo` (CPU, minutes), `make speedrun` (GPU node).
+# nanoagent: `make install` then `make test`; `make demo` and `make demo-textworld` (CPU, minutes), `make speedrun` (GPU node).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -7,9 +7,10 @@ PIP    := $(PY) -m pip
 VARIANT := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 
 DEMO   := out/demo
+TWDEMO := out/demo-textworld
 SEED   := 0
 
-.PHONY: install test test-fast test-gpu demo speedrun clean
+.PHONY: install test test-fast test-gpu demo demo-textworld speedrun clean
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +45,17 @@ demo:
 	$(PY) train.py --config=demo seed=$(SEED) model=$(DEMO)/model run_dir=$(DEMO)/run data.train_path=$(DEMO)/data/train.parquet \
 		data.val_path=$(DEMO)/data/val.parquet data.index_dir=$(DEMO)/data/index
 	$(PY) report.py --run=$(DEMO)/run
+
+# TextWorld's Coin Collector: games -> a tiny model pretrained on other games' text -> warm start -> GRPO -> report
+demo-textworld:
+	$(PY) prepare_data.py --task=textworld --out=$(TWDEMO)/data --train-size=64 --val-size=32
+	$(PY) -m nanoagent.tiny --out=$(TWDEMO)/model --text=$(TWDEMO)/data/train.parquet --text=$(TWDEMO)/data/transcripts.jsonl \
+		--kv_heads=2 --pretrain $(TWDEMO)/data/exits.jsonl 400 --pretrain $(TWDEMO)/data/walkthroughs.jsonl 600 \
+		--pretrain $(TWDEMO)/data/transcripts.jsonl 300 --seed=$(SEED)
+	rm -rf $(TWDEMO)/run
+	$(PY) train.py --config=demo-textworld seed=$(SEED) model=$(TWDEMO)/model run_dir=$(TWDEMO)/run \
+		data.train_path=$(TWDEMO)/data/train.parquet data.val_path=$(TWDEMO)/data/val.parquet
+	$(PY) report.py --run=$(TWDEMO)/run
 
 # One GPU node, all its GPUs: HotpotQA -> index -> RL -> evaluation -> out/speedrun/report.md
 speedrun:

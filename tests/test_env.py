@@ -209,13 +209,14 @@ def test_textworld_commands_and_text(game_rows, tmp_path, monkeypatch):
     rows_, out = game_rows
     monkeypatch.chdir(tmp_path)  # where the game would write a transcript file
     game = textworld.Game(out)
-    assert game.reset(rows_[0]) == rows_[0]["messages"]
-    text = rows_[0]["messages"][1]["content"]
+    assert game.reset(rows_[1]) == rows_[1]["messages"]
+    text = rows_[1]["messages"][1]["content"]
     assert "$$" not in text and "-= " in text and not any(line.startswith(">") for line in text.split("\n"))
     assert game.step("dance with the mop") == ("That's not a verb I recognise.", 0.0, False, {"score": 0, "won": False})
-    # the step reward is the progress along the game's plan: the only exit (west) leads away from the quest, which
-    # is all in this room (open refrigerator, take teapot from refrigerator, put teapot on chair)
-    assert [game.step(c)[1] for c in ["go west", "go east", "open refrigerator", "go north"]] == [-1 / 3, 1 / 3, 1 / 3, 0.0]
+    # the step reward is the progress along the game's plan (go east, go south, take coin): south of the first room
+    # is a dead end off the chain (a hard game's); the coin is not in the second room
+    assert rows_[1]["walkthrough"] == ["go east", "go south", "take coin"]
+    assert [game.step(c)[1] for c in ["go south", "go north", "go east", "take coin"]] == [-1 / 3, 1 / 3, 1 / 3, 0.0]
     assert (game.remaining, game.length, game.moves) == (2, 3, 5)
     assert game.step("restart")[0] == "'restart' is not available in this game." and game.moves == 5
     assert game.step("")[0].startswith("Write one command")
@@ -241,11 +242,12 @@ def test_textworld_commands_and_text(game_rows, tmp_path, monkeypatch):
     assert textworld.story_problem(os.path.join(out, rows_[0]["game"])) is None
 
 
-def test_textworld_pretraining_transcripts_play_their_games_to_a_win(tmp_path, tok):
+def test_textworld_pretraining_text_plays_its_games_to_a_win_in_every_symmetry_of_the_compass(tmp_path, tok):
     """make demo-textworld's pretraining text: each transcript is a real play of a game that is then
     deleted, its commands the game's policy with a few others it accepts, ending in a win; the tiny
-    kit learns only its commands."""
-    plays = textworld.make_one((str(tmp_path), "pretrain", "easy", 0, 2_000_123))
+    kit learns only its commands. The game's objective comes with its walkthrough, a room's one exit
+    with the command that takes it, and every document in the compass's 8 symmetries."""
+    plays, walkthrough = textworld.make_one((str(tmp_path), "pretrain", "easy", 0, 2_000_123))
     assert len(plays) == textworld.PLAYS and not os.listdir(tmp_path / "games")
     for play in plays:
         messages = play["messages"]
@@ -256,8 +258,16 @@ def test_textworld_pretraining_transcripts_play_their_games_to_a_win(tmp_path, t
     ids, mask = pretraining_rows(str(tmp_path / "t.jsonl"), tok)[0]
     learned = tok.decode([i for i, m in zip(ids, mask) if m])
     assert learned == "".join(m["content"] + tok.eos_token for m in plays[0]["messages"] if m["role"] == "assistant")
-    first, command, answer = (m["content"] for m in plays[0]["messages"][1:4])
-    assert textworld.game_log(plays[0])["text"].startswith(f"{first}\n\n> {command}\n\n{answer}")  # the same play as a log
+    objective = plays[0]["messages"][1]["content"].split("\n\n")[0]
+    assert walkthrough == objective + "\n\ngo south\ngo west\ntake coin"  # this game's way: south, west
+    exits = textworld.exit_documents(plays)
+    assert exits and all(len(textworld.DIRECTION.findall(d)) == 2 and d.split("\n\n")[-1].startswith("go ") for d in exits)
+    assert "You don't like doors? Why not try going south, that entranceway is unblocked.\n\ngo south" in exits
+    # the symmetries: the four rotations and four reflections of the compass, capitals kept, other words left alone
+    assert len({tuple(m) for m in textworld.SYMMETRIES}) == 8 and all(sorted(m) == sorted(textworld.COMPASS) for m in textworld.SYMMETRIES)
+    assert textworld.turned("North, then west. Northern", ["east", "south", "west", "north"]) == "East, then north. Northern"
+    assert {textworld.turned("north", m) + textworld.turned("east", m) for m in textworld.SYMMETRIES} == {
+        "northeast", "eastsouth", "southwest", "westnorth", "northwest", "westsouth", "southeast", "eastnorth"}
 
 
 def test_train_py_plays_textworld_and_resumes_to_the_same_next_step(tmp_path):

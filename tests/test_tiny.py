@@ -237,7 +237,8 @@ def test_a_tokenizer_trained_on_a_tasks_text_gives_each_name_one_token_wherever_
 
 def test_conversations_and_plain_texts_are_task_text_and_plain_texts_are_learned_whole(tmp_path, tiny_tok):
     """make demo-textworld's tokenizer also learns from game transcripts (a .jsonl of conversations)
-    and game logs (a .jsonl of {"text"}), and pretraining learns a plain text whole, EOS included."""
+    and plain texts (its exits and walkthroughs: a .jsonl of {"text"}), and pretraining learns a plain
+    text whole, EOS included."""
     conversation = {"messages": [{"role": "user", "content": "You see a closed zorblax."}, {"role": "assistant", "content": "open zorblax"}]}
     (tmp_path / "t.jsonl").write_text(json.dumps(conversation) + "\n")
     (tmp_path / "logs.jsonl").write_text(json.dumps({"text": "You see a box.\n\n> open box"}) + "\n")

@@ -6,14 +6,15 @@ trajectory plays one game (Game, an environment in env.py's sense), one command 
     python prepare_data.py --task=textworld --out=data/textworld --train-size=64 --val-size=32
     torchrun --nproc_per_node=8 train.py --config=textworld    # GPU, Qwen2.5-1.5B-Instruct
 
-prepare() generates the games (TextWorld's custom generator, the "house" theme) into OUT/games and
-writes OUT/train.parquet and OUT/val.parquet, one row per game, with its first observation, its
-walkthrough and its split:
-- train: 3 rooms, at least 4 objects, quests of 3 actions (seeds 0..N-1 after the --seed offset);
-- val, "easy": the same settings, other seeds (games never trained on);
-- val, "hard": 5 rooms, 8 objects, quests of 5 actions.
-Every game tells its objective step by step ("First, unlock the portal. Then go east..."), as
-TextWorld's games do by default.
+prepare() generates the games (TextWorld's Coin Collector, Yuan et al. 2018: rooms in a chain, a
+coin at the far end, an objective that says the way) into OUT/games and writes OUT/train.parquet and
+OUT/val.parquet, one row per game, with its first observation, its walkthrough and its split:
+- train: level 3, a chain of 3 rooms (two moves, then "take coin"; seeds 0..N-1 after the --seed offset);
+- val, "easy": the same level, other seeds (games never trained on);
+- val, "hard": level 103, the same quest with a dead-end room off each room of the chain (6 rooms):
+  the exits no longer show the way, the objective's directions must be followed.
+Every game tells its objective step by step ("First step, take a trip west. Once you accomplish
+that, head north. Then, pick-up the coin..."), as TextWorld's games do by default.
 
 Reward: on each turn's last token, the progress the step made along the quest: how much shorter
 the game's own plan from here to the goal became (TextWorld recomputes it after every move), as a
@@ -35,9 +36,15 @@ parser runs "look. transcript" as two commands); the observation says so. The tu
 (missing, truncated, corrupt: its interpreter would end the whole process) is refused when the
 prompts load.
 
-prepare() also writes plays of other games (the game's own policy, wandering now and then), as
-conversations and as plain-text logs: pretraining text for a tiny model, which a real model does not
-need.
+prepare() also writes pretraining text for a tiny model, from other games of the training level
+(what a real model brings and a tiny one must learn: that "an exit to the west" means "go west",
+that an objective's directions are the commands to send, how a game's text reads): exits.jsonl,
+each paragraph of a room that names one exit followed by the command that takes it; walkthroughs.jsonl,
+each game's objective followed by its commands; transcripts.jsonl, plays of the games as
+conversations (the game's own policy, wandering now and then). Every document comes in the 8
+symmetries of the compass (rotations and reflections of north, east, south, west), so that no
+direction is likelier than another and only reading tells which to take. A real model needs none
+of it.
 """
 
 import glob
@@ -49,16 +56,20 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import textworld
-from textworld.generator import compile_game, make_game
+from textworld.challenges import coin_collector
+from textworld.generator import compile_game
 
 from nanoagent.data import load_prompts, write_prompts
 
 SYSTEM_PROMPT = ("You are playing a text adventure game. Each turn, reply with one command and nothing else, for example: "
-                 "open door, go east, take key from box, put apple on table. The game answers with what happened.")
+                 "look, open door, take key from box, put apple on table; to move, go and a direction. The game answers with what happened.")
 QUESTION = "{}"
 INFOS = textworld.EnvInfos(won=True, lost=True, score=True, max_score=True, moves=True, objective=True, policy_commands=True)
-PLAY_INFOS = textworld.EnvInfos(won=True, lost=True, policy_commands=True, admissible_commands=True)
-SPLITS = {"easy": dict(rooms=3, objects=4, quest_length=3), "hard": dict(rooms=5, objects=8, quest_length=5)}
+PLAY_INFOS = textworld.EnvInfos(won=True, lost=True, objective=True, policy_commands=True, admissible_commands=True)
+LEVELS = {"easy": 3, "hard": 103}  # Coin Collector's levels: a chain of 3 rooms; the same with a dead end off each
+COMPASS = ["north", "east", "south", "west"]
+SYMMETRIES = [[COMPASS[(i + r) % 4] for i in range(4)] for r in range(4)] + [[COMPASS[(r - i) % 4] for i in range(4)] for r in range(4)]
+DIRECTION = re.compile(r"\b(north|east|south|west)\b", re.IGNORECASE)
 LETTER = re.compile(r"[A-Za-z]")
 WORD = re.compile(r"[a-z]+")
 META_COMMANDS = {"quit", "q", "restart", "restore", "save", "undo", "script", "unscript", "noscript", "transcript"}
@@ -171,19 +182,15 @@ def score(traj, cfg):
 
 def demonstration(row, rng):
     """
-    The walkthrough, played by an imperfect demonstrator so that RL has room: before each step it
-    sends, one time in four, a command that does not advance the quest (look, inventory, a
-    direction), and one game in three it stops a step or two short of the end.
+    The walkthrough, played by a cautious demonstrator so that RL has room: it looks around ("look")
+    before every step, a habit the warm start takes on and a tight turn budget has no room for (the
+    demo's rollout.max_turns=5 for quests of 3 steps); and one game in three it stops a step or two
+    short of the end.
     """
     steps = list(row["walkthrough"])
     if rng.random() < 1 / 3:
         steps = steps[:-rng.randint(1, 2)]
-    script = []
-    for step in steps:
-        if rng.random() < 0.25:
-            script.append(rng.choice(["look", "inventory", "go north", "go south", "go east", "go west"]))
-        script.append(step)
-    return script
+    return [command for step in steps for command in ("look", step)]
 
 
 def transcript(env, state, rng):
@@ -209,32 +216,52 @@ def transcript(env, state, rng):
     return {"messages": messages}
 
 
-def game_log(play):
-    """A transcript as a game's log in plain text, the way played games are written down: the first
-    observation, then each command after "> " and the game's answer."""
-    return {"text": "\n\n".join(m["content"] if m["role"] == "user" else f"> {m['content']}" for m in play["messages"][1:])}
+def turned(text, symmetry):
+    """text with its compass directions mapped by symmetry (the images of north, east, south, west),
+    capitals kept."""
+    def image(match):
+        word = symmetry[COMPASS.index(match.group(1).lower())]
+        return word.capitalize() if match.group(1)[0].isupper() else word
+    return DIRECTION.sub(image, text)
+
+
+def exit_documents(plays):
+    """Every paragraph of a room (after its "-= Name =-" line) in the plays that names one direction,
+    followed by the command that goes there ("There is an unguarded exit to the west.\n\ngo west"):
+    the shortest texts in which what to send is a word just read, from which a tiny model learns
+    to copy a direction. A command opens its line, as it opens an assistant turn (a "> " before it
+    would make "go" another token than the one the model writes)."""
+    documents = set()
+    for play in plays:
+        for message in play["messages"][1:]:
+            paragraphs = message["content"].split("\n\n") if message["role"] == "user" else []
+            room = next((i for i, p in enumerate(paragraphs) if p.startswith("-= ")), len(paragraphs))
+            for paragraph in paragraphs[room + 1:]:
+                named = [d.lower() for d in DIRECTION.findall(paragraph)]
+                if len(named) == 1:
+                    documents.add(f"{paragraph}\n\ngo {named[0]}")
+    return sorted(documents)
 
 
 def make_one(job):
     """Generate and compile one game; returns its row (first observation, walkthrough), or for a
-    pretraining game PLAYS transcripts (the game's files are then deleted), or raises."""
+    pretraining game (PLAYS transcripts, its objective followed by its commands), whose files are
+    then deleted. Raises if TextWorld cannot make the game."""
     out, split, kind, index, seed = job
-    settings = SPLITS[kind]
     options = textworld.GameOptions()
     options.seeds = seed
-    options.nb_rooms, options.nb_objects, options.quest_length = settings["rooms"], settings["objects"], settings["quest_length"]
     options.path = os.path.join(out, "games", f"{split}-{index:05d}.z8")
     options.force_recompile = True
-    path = compile_game(make_game(options), options)
+    path = compile_game(coin_collector.make({"level": LEVELS[kind]}, options), options)
     env = textworld.start(path, request_infos=PLAY_INFOS if split == "pretrain" else INFOS)
+    state = env.reset()
+    walkthrough = list(state.policy_commands)
     if split == "pretrain":
         played = [transcript(env, env.reset(), random.Random(f"textworld-transcript-{seed}-{play}")) for play in range(PLAYS)]
         env.close()
         for name in glob.glob(os.path.splitext(path)[0] + ".*"):  # .z8, .ni, .json
             os.remove(name)
-        return played
-    state = env.reset()
-    walkthrough = list(state.policy_commands)
+        return played, "\n".join([state.objective.strip(), ""] + walkthrough)
     env.close()
     return {"id": f"{split}-{index:05d}", "type": kind, "game": os.path.relpath(path, out), "walkthrough": walkthrough,
             "max_score": int(state.max_score), "answers": [],
@@ -244,9 +271,10 @@ def make_one(job):
 def prepare(out, train_size=0, val_size=None, seed=0, source=None):
     """OUT/games/*.z8 and OUT/{train,val}.parquet: train_size (default 64) easy games to train on;
     val_size (default 32) held-out games, half easy and half hard; and pretraining text for a tiny
-    model: PLAYS plays of each of as many other easy games as train_size, as conversations
-    (OUT/transcripts.jsonl) and as plain-text game logs (OUT/game_logs.jsonl). Seeds: train 0..,
-    val 1,000,000.., pretraining 2,000,000.., offset by 10,000 x seed."""
+    model from as many other easy games as train_size, each document in the compass's 8 symmetries:
+    OUT/exits.jsonl, OUT/walkthroughs.jsonl (plain texts) and OUT/transcripts.jsonl (PLAYS plays of
+    each game, as conversations). Seeds: train 0.., val 1,000,000.., pretraining 2,000,000..,
+    offset by 10,000 x seed."""
     if source is not None:
         raise ValueError("textworld generates its games; it has no --source")
     train_size, val_size = train_size or 64, 32 if val_size is None else val_size
@@ -257,9 +285,16 @@ def prepare(out, train_size=0, val_size=None, seed=0, source=None):
     os.makedirs(os.path.join(out, "games"), exist_ok=True)
     with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
         rows = list(pool.map(make_one, jobs))
-    transcripts = [play for r in rows if isinstance(r, list) for play in r]
-    for name, docs in (("transcripts.jsonl", transcripts), ("game_logs.jsonl", [game_log(t) for t in transcripts])):
+    pretraining = [r for r in rows if isinstance(r, tuple)]
+    plays = [play for played, _ in pretraining for play in played]
+    documents = {
+        "exits.jsonl": [{"text": text} for text in sorted({turned(d, m) for d in exit_documents(plays) for m in SYMMETRIES})],
+        "walkthroughs.jsonl": [{"text": turned(text, m)} for _, text in pretraining for m in SYMMETRIES],
+        "transcripts.jsonl": [{"messages": [{**msg, "content": turned(msg["content"], m)} for msg in play["messages"]]}
+                              for play in plays for m in SYMMETRIES],
+    }
+    for name, docs in documents.items():
         with open(os.path.join(out, name), "w") as f:
             f.writelines(json.dumps(d) + "\n" for d in docs)
-        print(f"wrote {len(docs)} plays to {os.path.join(out, name)}")
+        print(f"wrote {len(docs)} documents to {os.path.join(out, name)}")
     write_prompts(out, {split: [r for r in rows if isinstance(r, dict) and r["id"].startswith(split)] for split in ("train", "val")})

@@ -185,7 +185,7 @@ PRESETS = {
     # warm-started by imitation of a player who looks around before every move, then GRPO on the progress along the way
     # and the win, with 5 turns for quests of 3 steps
     "demo-textworld": [
-        "model=out/demo-textworld/model", "algo=grpo", "steps=30", "run_dir=out/demo-textworld/run", "resume=never",
+        "model=out/demo-textworld/model", "algo=grpo", "steps=20", "run_dir=out/demo-textworld/run", "resume=never",
         "data.task=textworld", "data.train_path=out/demo-textworld/data/train.parquet", "data.val_path=out/demo-textworld/data/val.parquet",
         "data.max_prompt_tokens=512", "rollout.prompts_per_step=16", "rollout.group_size=4", "rollout.max_turns=5",
         "rollout.max_new_tokens=16", "rollout.max_context_tokens=2048", "rollout.max_obs_tokens=128", "rollout.dtype=float32",

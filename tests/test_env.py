@@ -276,6 +276,9 @@ def test_train_py_plays_textworld_and_resumes_to_the_same_next_step(tmp_path):
     data = tmp_path / "data"
     subprocess.run([sys.executable, "prepare_data.py", "--task=textworld", f"--out={data}", "--train-size=4", "--val-size=2"],
                    cwd=ROOT, check=True, capture_output=True, timeout=600)
+    walkthroughs = [json.loads(line)["text"] for line in open(data / "walkthroughs.jsonl")]  # every game's in the 8 symmetries
+    assert len(walkthroughs) == 4 * 8 and walkthroughs[:8] == [textworld.turned(walkthroughs[0], m) for m in textworld.SYMMETRIES]
+    assert len(open(data / "transcripts.jsonl").readlines()) == 4 * textworld.PLAYS * 8
     common = ["--config=tiny", "data.task=textworld", f"data.train_path={data / 'train.parquet'}", f"data.val_path={data / 'val.parquet'}",
               "data.max_prompt_tokens=1536", "rollout.max_context_tokens=3072", "rollout.max_turns=4", "rollout.max_new_tokens=16",
               "rollout.max_obs_tokens=256", "rollout.prompts_per_step=2", "rollout.group_size=2", "ppo.mini_batch_size=4",

@@ -268,6 +268,10 @@ def test_textworld_pretraining_text_plays_its_games_to_a_win_in_every_symmetry_o
     assert textworld.turned("North, then west. Northern", ["east", "south", "west", "north"]) == "East, then north. Northern"
     assert {textworld.turned("north", m) + textworld.turned("east", m) for m in textworld.SYMMETRIES} == {
         "northeast", "eastsouth", "southwest", "westnorth", "northwest", "westsouth", "southeast", "eastnorth"}
+    play = {"messages": [{"role": "system", "content": "For example: go east."}, {"role": "user", "content": "An exit to the east."},
+                         {"role": "assistant", "content": "go east"}]}
+    assert [m["content"] for m in textworld.turned_play(play, textworld.SYMMETRIES[1])["messages"]] == [
+        "For example: go east.", "An exit to the south.", "go south"]  # the system prompt is the one the agent reads
 
 
 def test_train_py_plays_textworld_and_resumes_to_the_same_next_step(tmp_path):

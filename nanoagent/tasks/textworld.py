@@ -225,6 +225,12 @@ def turned(text, symmetry):
     return DIRECTION.sub(image, text)
 
 
+def turned_play(play, symmetry):
+    """A play with the game's text and the commands turned by symmetry, and the system prompt as the
+    agent reads it in every game (a turned example command would be one no real prompt has)."""
+    return {"messages": [m if m["role"] == "system" else {**m, "content": turned(m["content"], symmetry)} for m in play["messages"]]}
+
+
 def exit_documents(plays):
     """Every paragraph of a room (after its "-= Name =-" line) in the plays that names one direction,
     followed by the command that goes there ("There is an unguarded exit to the west.\n\ngo west"):
@@ -290,8 +296,7 @@ def prepare(out, train_size=0, val_size=None, seed=0, source=None):
     documents = {
         "exits.jsonl": [{"text": text} for text in sorted({turned(d, m) for d in exit_documents(plays) for m in SYMMETRIES})],
         "walkthroughs.jsonl": [{"text": turned(text, m)} for _, text in pretraining for m in SYMMETRIES],
-        "transcripts.jsonl": [{"messages": [{**msg, "content": turned(msg["content"], m)} for msg in play["messages"]]}
-                              for play in plays for m in SYMMETRIES],
+        "transcripts.jsonl": [turned_play(play, m) for play in plays for m in SYMMETRIES],
     }
     for name, docs in documents.items():
         with open(os.path.join(out, name), "w") as f:

@@ -23,11 +23,12 @@ ifeq ($(VARIANT),cpu)
 endif
 	$(PY) -c "import torch, transformers, vllm, faiss, textworld; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__, '| $(VARIANT)')"
 
+# Two workers (pytest-xdist), each with its share of the cores, the longest tests first (tests/conftest.py)
 test:
-	$(PY) -m pytest -q --durations=20
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=20
 
 test-fast:
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow"
 
 # On a GPU machine: one PPO and one GRPO step at Qwen2.5-1.5B's shape (FSDP2 + NCCL + bf16), the update bench
 test-gpu:

@@ -9,12 +9,28 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest-xdist (make test: -n 2) the workers share the cores: each worker and every process its tests
+# start get their share of threads. Two OpenMP teams of 2 threads on 2 cores stall at every barrier, waiting
+# for a thread the other team preempted; one thread each runs twice the work side by side.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import procs  # noqa: E402
 from nanoagent.tiny import build_tiny_model  # noqa: E402
+
+
+# The tests that run for minutes (the demos, the learning test), longest first. make test's workers
+# (--dist loadgroup) take their first tests in turn and then one whenever they are nearly out of work,
+# so these start at once, on different workers, and no worker is left with one of them at the end.
+LONGEST = ["test_make_demo_textworld_learns_to_win_held_out_games", "test_make_demo_learns_to_search_and_writes_the_report",
+           "test_every_estimator_improves_on_the_warm_start"]
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: LONGEST.index(item.name) if item.name in LONGEST else len(LONGEST))  # stable: the rest in file order
 
 
 @pytest.fixture(autouse=True)

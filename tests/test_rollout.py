@@ -54,7 +54,13 @@ def scripted_dir(tiny_model_dir, env, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(scripted_dir, env):
-    return VLLMEngine(scripted_dir, stop_token_ids(env.tokenizer), MAX_CONTEXT, dtype="float32", seed=0)
+    """The real vLLM CPU engine, in process; the torch.distributed world of one it sets up for itself
+    goes with it (make test's workers run other modules' tests in this process after these)."""
+    engine = VLLMEngine(scripted_dir, stop_token_ids(env.tokenizer), MAX_CONTEXT, dtype="float32", seed=0)
+    yield engine
+    del engine
+    from vllm.distributed import cleanup_dist_env_and_memory  # here: the GPU machine collects this module without vLLM
+    cleanup_dist_env_and_memory()
 
 
 @pytest.fixture(scope="module")
@@ -405,7 +411,18 @@ def tagging_qwen_dir(qwen_model_dir, tmp_path_factory):
     return path
 
 
-def test_trajectories_are_token_exact_under_qwens_vocabulary(tagging_qwen_dir, monkeypatch):
+@pytest.fixture
+def qwen_engine(tagging_qwen_dir):
+    """The real vLLM CPU engine on the Qwen-vocabulary model; the torch.distributed world of one it
+    sets up goes with it (make test's workers run other modules' tests in this process after this)."""
+    engine = VLLMEngine(tagging_qwen_dir, stop_token_ids(AutoTokenizer.from_pretrained(tagging_qwen_dir)), MAX_CONTEXT, dtype="float32", seed=0)
+    yield engine
+    del engine
+    from vllm.distributed import cleanup_dist_env_and_memory  # here: the GPU machine collects this module without vLLM
+    cleanup_dist_env_and_memory()
+
+
+def test_trajectories_are_token_exact_under_qwens_vocabulary(tagging_qwen_dir, qwen_engine, monkeypatch):
     """
     Sampled multi-turn trajectories under Qwen2.5's tokenizer, template and stop ids, through the
     real vLLM engine: each turn's prompt is the ids sampled and observed so far (never re-encoded,
@@ -420,7 +437,7 @@ def test_trajectories_are_token_exact_under_qwens_vocabulary(tagging_qwen_dir, m
     env = tool_env([], tok, max_obs_tokens=64)
     stop = stop_token_ids(tok)
     assert stop == sorted(tok.convert_tokens_to_ids(["<|im_end|>", "</tool_call>"]))
-    engine = VLLMEngine(tagging_qwen_dir, stop, MAX_CONTEXT, dtype="float32", seed=0)
+    engine = qwen_engine
     sent = []  # every prompt the engine was given
     submit = engine.submit
     monkeypatch.setattr(engine, "submit", lambda request_id, prompt_ids, *args: (sent.append(prompt_ids), submit(request_id, prompt_ids, *args))[1])

@@ -194,13 +194,18 @@ def test_builder_is_deterministic_and_cached(tmp_path):
 @pytest.mark.slow
 def test_vllm_generates_and_logprobs_match_transformers(tiny_model_dir):
     from vllm import LLM, SamplingParams
+    from vllm.distributed import cleanup_dist_env_and_memory
     from vllm.inputs import TokensPrompt
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     llm = LLM(model=tiny_model_dir, dtype="float32", enforce_eager=True, seed=0, max_model_len=2048)
     prompts = [tok.encode(render(tok, CONVERSATION[:k], add_generation_prompt=True), add_special_tokens=False) for k in (2, 4)]
     params = SamplingParams(max_tokens=24, temperature=1.0, logprobs=0, seed=0)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    try:
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    finally:  # the torch.distributed world of one the engine set up in this process goes with it
+        del llm
+        cleanup_dist_env_and_memory()
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     for prompt, out in zip(prompts, outputs):

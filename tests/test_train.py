@@ -71,6 +71,7 @@ def test_two_steps_push_export_in_bf16(algo, tmp_path):
     # the export loads in transformers and vLLM and both give the same logprobs
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import LLM, SamplingParams
+    from vllm.distributed import cleanup_dist_env_and_memory
     from vllm.inputs import TokensPrompt
     export = str(tmp_path / "run" / "hf")
     tok = AutoTokenizer.from_pretrained(export)
@@ -78,7 +79,11 @@ def test_two_steps_push_export_in_bf16(algo, tmp_path):
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is 12 * 34?"}], tokenize=False, add_generation_prompt=True)
     ids = tok.encode(prompt, add_special_tokens=False)
     llm = LLM(model=export, dtype="float32", enforce_eager=True, max_model_len=1024)
-    [gen] = llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=12, temperature=1.0, logprobs=0, seed=0), use_tqdm=False)
+    try:
+        [gen] = llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=12, temperature=1.0, logprobs=0, seed=0), use_tqdm=False)
+    finally:  # the torch.distributed world of one the engine set up in this process goes with it: the worker's next test may start its own
+        del llm
+        cleanup_dist_env_and_memory()
     sampled = list(gen.outputs[0].token_ids)
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
     with torch.no_grad():

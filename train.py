@@ -18,7 +18,8 @@ One step, top to bottom:
   2. rewards: the task scores each trajectory; the outcome reward sits on the last action token,
      process rewards (a step's) on the last action token of their turn, (kl_mode=reward) -kl_coef * k1;
      groups without signal (grpo: all outcomes equal, no process reward) and, optionally,
-     trajectories cut by a budget are left out of the update (DAPO);
+     trajectories cut by a budget are left out of the update (DAPO); with several ranks, whole
+     groups move between them so that each trains on about as many tokens;
   3. the engine sleeps; the trainer recomputes old logprobs (unless the update is exactly
      on-policy: then they come from its own forward), reference logprobs and values;
   4. advantages (algo): GAE over action tokens, or over turns with ppo.credit=step (ppo); the
@@ -51,7 +52,8 @@ from nanoagent.data import step_prompts
 from nanoagent.engine import SamplingConfig, make_engine, pad_token_id
 from nanoagent.imitation import imitate
 from nanoagent.metrics import evaluate, step_line, step_metrics
-from nanoagent.model import build_models, collate, critic_forward, forward_all, full_tensors, micro_steps, old_policy_forward, policy_forward, unpack
+from nanoagent.model import (balance_groups, build_models, collate, critic_forward, forward_all, full_tensors, group_tokens, micro_steps,
+                             old_policy_forward, policy_forward, unpack)
 from nanoagent.tasks import load_task, task_data
 from nanoagent.tiny import resolve_model
 
@@ -108,6 +110,25 @@ def trained_rows(trajs, outcomes, process, owner, groups, cfg):
     failed = torch.tensor([t.finish_reason == "env_error" for t in trajs])  # its reward says nothing of the policy
     return (~uniform & ~overlong & ~failed).float(), {"dropped_uniform": uniform.sum().item(), "dropped_overlong": (overlong & ~uniform).sum().item(),
                                                       "dropped_env_error": (failed & ~uniform & ~overlong).sum().item()}
+
+
+def step_batch(trajs, pad_id, cfg):
+    """
+    The step's rows and rewards: batch (collate: a row per trajectory, or with rollout.context=last_k
+    one per turn; batch["trajectory"]: [R] each row's), rewards and process ([R, L] all rewards and
+    the process rewards among them, on the action tokens that train), outcomes ([B] what GRPO
+    compares within a group), groups ([B] ids: group_size consecutive trajectories are a prompt's),
+    kept (the rows of the trajectories that train: the others get mask 0, and no forward pass runs
+    over them) and dropped (trained_rows).
+    """
+    batch = collate(trajs, pad_id)
+    owner = batch["trajectory"]
+    rewards, process = token_rewards(trajs, batch, cfg.train.tool_call_reward)
+    outcomes = torch.tensor([t.reward for t in trajs])
+    groups = torch.arange(len(trajs) // cfg.rollout.group_size).repeat_interleave(cfg.rollout.group_size)
+    keep, dropped = trained_rows(trajs, outcomes, process, owner, groups, cfg)
+    mask = batch["action_mask"] = batch["action_mask"] * keep[owner][:, None]
+    return batch, rewards * mask, process * mask, outcomes, groups, keep[owner].nonzero().flatten().tolist(), dropped
 
 
 # -----------------------------------------------------------------------------
@@ -309,17 +330,11 @@ def main(argv=None):
         # 2. rewards: the task scores each trajectory (its outcome); rewards sit on action tokens
         for t in trajs:
             task.score(t, cfg)
-        # a row per trajectory, or (rollout.context=last_k) per turn; owner: [R] the trajectory of each row
-        batch = collate(trajs, pad_token_id(tokenizer))
-        owner = batch["trajectory"]
-        rewards, process = token_rewards(trajs, batch, cfg.train.tool_call_reward)  # [R, L] all rewards; the process rewards
-        outcomes = torch.tensor([t.reward for t in trajs])  # [B] what GRPO compares within a group
-        groups = torch.arange(len(prompts)).repeat_interleave(cfg.rollout.group_size)
-        # the trajectories that train (kept: their rows); the others get mask 0, and no forward pass runs over them
-        keep, dropped = trained_rows(trajs, outcomes, process, owner, groups, cfg)
-        kept = keep[owner].nonzero().flatten().tolist()
-        mask = batch["action_mask"] = batch["action_mask"] * keep[owner][:, None]
-        rewards, process = rewards * mask, process * mask
+        batch, rewards, process, outcomes, groups, kept, dropped = step_batch(trajs, pad_token_id(tokenizer), cfg)
+        if cfg.train.balance_ranks and world > 1:  # whole groups move between ranks so that each trains on about as many tokens
+            trajs = balance_groups(trajs, group_tokens(batch, kept, groups), cfg.rollout.group_size)
+            batch, rewards, process, outcomes, groups, kept, dropped = step_batch(trajs, pad_token_id(tokenizer), cfg)
+        owner, mask = batch["trajectory"], batch["action_mask"]
         t1 = time.perf_counter()
         # 3. old logprobs (and renormalised over the top_p nucleus, as the engine reports them: engine_logprob_diff), unless the
         # update is exactly on-policy (one epoch of one mini-batch, no KL in the reward): then its own forward gives them

@@ -6,6 +6,7 @@ Training speed (prints figures; asserts nothing).
     python bench/bench_train.py --packing       # CPU or GPU: the update's tokens/s, packed against padded, in one process
     python bench/bench_train.py --packing --shape=qwen2.5-1.5b   # GPU: the same at Qwen2.5-1.5B's shape, bf16
     python bench/bench_train.py --update-only   # GPU: update tokens/s and MFU, Qwen2.5-1.5B shape
+    python bench/bench_train.py --balance       # CPU: 2 ranks rolling out unevenly, with and without train.balance_ranks
 
 1. End to end (CPU or GPU): runs train.py on the tiny preset for a few steps in a subprocess and
    reports, from its metrics.jsonl, the median time of each phase (rollout, logprob/value
@@ -24,7 +25,12 @@ Training speed (prints figures; asserts nothing).
    in bf16. Reports the rows' tokens per second (a shared prompt counted once per row, as
    the padded rows compute it), the padding fraction (padded positions computed / real tokens) and
    the ratio.
-3. Update only (GPU): a Qwen2.5-1.5B-shaped model with random weights, FSDP2 on one GPU, bf16
+3. Balance (CPU, 2 ranks of one thread each): train.py with GRPO on tests/uneven_task.py (half the
+   prompts open with a 320-token preamble; with data.shuffle=false rank 0 gets those), 16 prompts x 4
+   samples a step, one mini-batch, with train.balance_ranks off and on, in turn: the median of each
+   phase's time and of rank_imbalance (the busiest rank's trainer tokens over the mean rank's),
+   skipping the first step. The moves are made before the forward passes, in the rollout's time.
+4. Update only (GPU): a Qwen2.5-1.5B-shaped model with random weights, FSDP2 on one GPU, bf16
    compute: forward + backward of the policy loss over packed micro-batches of random tokens;
    tokens/s and MFU = 6 * params * tokens/s / peak bf16 FLOP/s (H100 SXM dense: 989e12).
 """
@@ -45,19 +51,23 @@ QWEN_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, nu
                  num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True)
 
 
-def end_to_end(steps, algo, nproc, credit="token", context="full"):
+def train_steps(nproc, overrides, threads):
+    """The metrics of each step of train.py on the tiny preset under torchrun, after the first (engine warm-up)."""
     run_dir = tempfile.mkdtemp()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
-           os.path.join(ROOT, "train.py"), "--config=tiny", f"algo={algo}", f"ppo.credit={credit}", f"steps={steps}", f"run_dir={run_dir}",
-           f"rollout.context={context}", "rollout.keep_turns=1",
-           "train.warm_start_steps=30", "train.tool_call_reward=0.1",
-           "grpo.drop_uniform_groups=false"]  # the tiny model's groups are mostly uniform: time an update that runs
-    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT, timeout=900,
-                   env={**os.environ, "OMP_NUM_THREADS": str(max(1, os.cpu_count() // nproc))})
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if '"time/step"' in line][1:]
+           os.path.join(ROOT, "train.py"), "--config=tiny", f"run_dir={run_dir}", *overrides]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if '"time/step"' in line][1:]
+
+
+def end_to_end(steps, algo, nproc, credit="token", context="full"):
+    rows = train_steps(nproc, [f"algo={algo}", f"ppo.credit={credit}", f"steps={steps}", f"rollout.context={context}", "rollout.keep_turns=1",
+                               "train.warm_start_steps=30", "train.tool_call_reward=0.1",
+                               "grpo.drop_uniform_groups=false"],  # the tiny model's groups are mostly uniform: time an update that runs
+                       max(1, os.cpu_count() // nproc))
     med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
     total = med("time/step")
     parts = " | ".join(f"{k[5:]} {med(k):.2f}s ({med(k) / total:.0%})" for k in ["time/rollout", "time/forward", "time/update", "time/push"])
@@ -212,15 +222,30 @@ def update_only(micro_tokens=16384, seq_len=2048, steps=5):
     dist.destroy_process_group()
 
 
+def balance(steps, sittings=2):
+    task = os.path.join(ROOT, "tests", "uneven_task.py")
+    for sitting in range(sittings):
+        for on in ("false", "true"):
+            rows = train_steps(2, ["algo=grpo", f"steps={steps}", f"data.task={task}", "data.shuffle=false", "data.num_train=16",
+                                   "rollout.prompts_per_step=16", "rollout.group_size=4", "ppo.mini_batch_size=64", f"train.balance_ranks={on}"], 1)
+            med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
+            print(f"sitting {sitting + 1}, balance_ranks={on:5s}: rank_imbalance {med('rank_imbalance'):.2f} | step {med('time/step'):.2f}s | "
+                  f"rollout {med('time/rollout'):.2f}s | update {med('time/update'):.2f}s | {med('tokens_per_s'):.0f} tokens/s "
+                  f"(median of {len(rows)} steps)")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--update-only", action="store_true")
     parser.add_argument("--packing", action="store_true")
     parser.add_argument("--shape", choices=["tiny", "qwen2.5-1.5b"], default="tiny", help="--packing: the model's shape")
+    parser.add_argument("--balance", action="store_true")
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
     if args.update_only:
         update_only()
+    elif args.balance:
+        balance(args.steps)
     elif args.packing:
         packing(args.shape)
     else:

@@ -82,7 +82,7 @@ CHANGEABLE = {
     "ppo.gamma", "ppo.lam", "ppo.clip_low", "ppo.clip_high", "ppo.clip_dual", "ppo.value_clip", "ppo.epochs", "ppo.critic_lr",
     "ppo.critic_warmup_steps", "ppo.whiten_advantages", "ppo.whiten_over", "ppo.ratio",
     "grpo.scale_by_std", "grpo.eps", "grpo.drop_uniform_groups",
-    "train.lr", "train.weight_decay", "train.warmup_steps", "train.grad_clip", "train.micro_batch_tokens", "train.loss_agg",
+    "train.lr", "train.weight_decay", "train.warmup_steps", "train.grad_clip", "train.micro_batch_tokens", "train.balance_ranks", "train.loss_agg",
     "train.kl_mode", "train.kl_coef", "train.entropy_coef", "train.tis", "train.tis_cap", "train.overlong_filter", "train.dtype",
     "train.activation_checkpointing", "train.save_every", "train.keep_last", "train.tool_call_reward", "train.warm_start_steps",
     "train.warm_start_lr",

@@ -99,6 +99,7 @@ class TrainConfig:
     warmup_steps: int = opt(0, "linear learning-rate warm-up over the first N training steps")
     grad_clip: float = opt(1.0, "max gradient norm")
     micro_batch_tokens: int = opt(16384, "token budget of one forward/backward micro-batch per rank")
+    balance_ranks: bool = opt(True, "before the update, move whole groups between ranks so that each trains on about as many tokens (every pass waits for the busiest rank); logged as rank_imbalance")
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "step_mean_token_mean"] = opt("token_mean", "how per-token losses become one scalar: a mean over all action tokens, or a mean over trajectories (seq) or turns (step) of each one's token mean")
     kl_mode: Literal["none", "reward", "loss"] = opt("none", "KL to the reference: none, k1 in the reward (ppo, reinforce_plus_plus, reinforce_plus_plus_baseline), or k3 in the loss (any algo)")
     kl_coef: float = opt(0.001, "KL coefficient")

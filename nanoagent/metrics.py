@@ -11,6 +11,7 @@ import math
 from nanoagent.agent import rollout_metrics, run_agent
 from nanoagent.common import reduce_metrics
 from nanoagent.engine import SamplingConfig
+from nanoagent.model import packed_tokens
 
 
 def mean_over_updates(results):
@@ -34,18 +35,21 @@ def step_metrics(step, trajs, dropped, batch, policy_updates, critic_updates, kl
     # the engine's logprobs against the trainer's of the same distribution (renormalised over the top_p nucleus,
     # model.old_policy_forward); -inf where this rank compared no token: the max over ranks is then the gap of the ranks that did
     engine_diff = (batch["nucleus_logprobs"] - batch["rollout_logprobs"]).abs()[mask > 0].max().item() if mask.any() else -math.inf
+    update_tokens = packed_tokens(batch, (mask.sum(-1) > 0).nonzero().flatten().tolist())  # what this rank's trainer passes computed
     sums = {**{k: v * len(trajs) for k, v in per_trajectory.items()}, **policy_shares, **critic_shares, "trajectories": len(trajs),
             "action_tokens": float(sum(sum(t.action_mask) for t in trajs)), "trained_tokens": mask.sum().item(),
-            "tokens": float(sum(batch["lengths"]))}
+            "tokens": float(sum(batch["lengths"])), "update_tokens": update_tokens, "ranks": 1}
     if kl is not None:
         sums["kl"] = kl.sum().item()
-    maxes = {**policy_globals, **critic_globals, "engine_logprob_diff": engine_diff}
+    maxes = {**policy_globals, **critic_globals, "engine_logprob_diff": engine_diff, "busiest_rank_tokens": update_tokens}
     total = reduce_metrics(sums, maxes)
     metrics = {"step": step + 1, **{k: total[k] / total["trajectories"] for k in per_trajectory}}
-    metrics.update({k: total[k] for k in [*policy_shares, *critic_shares, *maxes]})
+    metrics.update({k: total[k] for k in [*policy_shares, *critic_shares, *policy_globals, *critic_globals, "engine_logprob_diff"]})
     if total["trained_tokens"] == 0:  # every trajectory was left out: nothing was compared
         del metrics["engine_logprob_diff"]
     metrics["policy_updates"] = len(policy_updates)  # 0 when every trajectory was left out: no step taken
+    # the busiest rank's trainer tokens over the mean rank's (1: even; every pass waits for the busiest): train.balance_ranks
+    metrics["rank_imbalance"] = total["busiest_rank_tokens"] * total["ranks"] / max(total["update_tokens"], 1)
     if kl is not None:  # over the tokens that train
         metrics["kl"] = total["kl"] / max(total["trained_tokens"], 1)
     t0, t1, t2, t3, t4 = times

@@ -46,6 +46,7 @@ given the positions), and the critic's value head over those where a value is re
 head's work (a 152k vocabulary on Qwen2.5) saved.
 """
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -372,6 +373,64 @@ def synced_micro_batches(lengths, token_budget, prompts=None):
         else:
             batches.append([])
     return batches
+
+
+def packed_tokens(batch, rows):
+    """The tokens the trainer's packed passes compute for these rows of batch: their lengths, a
+    prompt that several of them begin with counted once (packed_layout)."""
+    prompts, tokens = set(), 0
+    for i in rows:
+        prompt = batch["prompt"][i].item()
+        tokens += batch["lengths"][i] - (batch["prompt_length"][i].item() if prompt in prompts else 0)
+        prompts.add(prompt)
+    return tokens
+
+
+def group_tokens(batch, rows, groups):
+    """[G] the tokens the trainer's packed passes compute for each group's rows among `rows`
+    (packed_tokens); groups: [B] each trajectory's group id, 0..G-1."""
+    rows_of = [[] for _ in range(int(groups.max()) + 1 if len(groups) else 0)]
+    for row, group in zip(rows, groups[batch["trajectory"][rows]].tolist()):
+        rows_of[group].append(row)
+    return [packed_tokens(batch, r) for r in rows_of]
+
+
+def balance_groups(trajs, costs, group_size):
+    """
+    This rank's trajectories after whole groups (group_size consecutive trajectories: a prompt's
+    samples) moved between ranks so that every rank trains on about as many tokens. Every FSDP pass
+    is a collective, so an update lasts as long as the busiest rank's passes, and multi-turn
+    trajectories differ in length far more than single-turn answers. costs: the tokens the trainer
+    would compute for each of this rank's groups (packed_tokens; 0 for a group left out of the
+    update). Every rank plans the same moves from the gathered costs: while a group of the busiest
+    rank weighs less than its gap to the idlest, the one that evens the two best moves (each move
+    lowers the sum of squared loads, so it ends). Moved trajectories travel without their
+    environments (they are scored). Returns the groups this rank kept, in order, then those it
+    received, by sending rank; a group stays whole, so its baseline and its shared prompt do too.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world == 1:
+        return trajs
+    gathered = [None] * world
+    dist.all_gather_object(gathered, costs)
+    owner = {(r, g): r for r in range(world) for g in range(len(gathered[r]))}
+    load = [sum(c) for c in gathered]
+    while True:
+        busiest, idlest = max(range(world), key=load.__getitem__), min(range(world), key=load.__getitem__)
+        gap = load[busiest] - load[idlest]
+        movable = [(abs(gap - 2 * gathered[r][g]), r, g) for (r, g), o in owner.items() if o == busiest and 0 < gathered[r][g] < gap]
+        if not movable:
+            break
+        _, r, g = min(movable)
+        owner[r, g], load[busiest], load[idlest] = idlest, load[busiest] - gathered[r][g], load[idlest] + gathered[r][g]
+    group = lambda g: trajs[g * group_size:(g + 1) * group_size]  # noqa: E731
+    sent = {}
+    for g in range(len(costs)):
+        if owner[rank, g] != rank:
+            sent.setdefault(owner[rank, g], []).extend(replace(t, env=None) for t in group(g))
+    received = [None] * world
+    dist.all_gather_object(received, sent)
+    return [t for g in range(len(costs)) if owner[rank, g] == rank for t in group(g)] + [t for s in received for t in s.get(rank, [])]
 
 
 def micro_steps(batch, rows, token_budget, device):

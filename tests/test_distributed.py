@@ -2,6 +2,7 @@
 the batch-wide statistics (whitening, the loss's units) do not depend on the number of ranks or
 the micro-batch size."""
 
+import json
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -106,3 +107,38 @@ def test_whitening_and_loss_units_are_the_whole_batchs_on_every_rank(tmp_path):
         torch.testing.assert_close(got["unit_tokens"], unit_tokens[got["rows"]])
         assert (got["tokens"], got["units"]) == (tokens, count)
     assert not torch.allclose(rl.whiten(advantages[0::2], mask[0::2]), whole[0::2], atol=1e-3)  # one rank's own statistics differ
+
+
+BALANCE_SCRIPT = """
+import json, sys
+import torch.distributed as dist
+from nanoagent.agent import Trajectory
+from nanoagent.model import balance_groups
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+costs = json.loads(sys.argv[1])[rank]
+trajs = [Trajectory(sample={"id": f"{rank}-{g}-{i}"}, prompt_ids=[rank, g], messages=[], env=object(), reward=float(i))
+         for g in range(len(costs)) for i in range(2)]  # groups of 2
+mine = balance_groups(trajs, costs, 2)
+with open(f"{sys.argv[2]}.{rank}", "w") as f:
+    json.dump([[t.sample["id"], t.prompt_ids, t.reward, t.env is None] for t in mine], f)
+dist.destroy_process_group()
+"""
+
+
+def test_whole_groups_move_between_ranks_until_their_tokens_are_about_even(tmp_path):
+    """train.balance_ranks: rank 0 holds groups of 900, 500 and 100 trained tokens, rank 1 of 100,
+    100 and 0 (left out). The 500 moves (it evens 1,500 against 200 best), then a 100 (1,000 against
+    700): 900 against 800, where nothing lighter than the gap is left. Each group arrives whole, in
+    order, without its environment; the groups that stay keep theirs."""
+    script = tmp_path / "balance.py"
+    script.write_text(BALANCE_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={procs.free_port()}", str(script),
+           json.dumps([[900, 500, 100], [100, 100, 0]]), str(tmp_path / "trajs")]
+    proc = procs.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.path.dirname(HERE), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = [json.loads((tmp_path / f"trajs.{rank}").read_text()) for rank in range(2)]  # [id, prompt ids, reward, env dropped]
+    group = lambda rank, g, moved: [[f"{rank}-{g}-{i}", [rank, g], float(i), moved] for i in range(2)]  # noqa: E731
+    assert got[0] == group(0, 0, False)
+    assert got[1] == group(1, 0, False) + group(1, 1, False) + group(1, 2, False) + group(0, 1, True) + group(0, 2, True)

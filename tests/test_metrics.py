@@ -1,7 +1,8 @@
 """
 The step's metrics (nanoagent/metrics.py) over 2 gloo ranks under torchrun: a metric says only what
 was measured. When DAPO leaves every trajectory of a step out, no engine logprob was compared with
-the trainer's, and engine_logprob_diff must not read as a perfect 0.
+the trainer's, and engine_logprob_diff must not read as a perfect 0; rank_imbalance compares the
+ranks' trainer tokens.
 """
 
 import json
@@ -32,6 +33,7 @@ for case in json.loads(sys.argv[1]):
                    rollout_logprobs=[-1.0, -2.0], turn_spans=[(0, 2)], finish_reason="done")
     mask = torch.tensor([[0.0, 0.0, 1.0, 1.0]]) * trained
     batch = {"action_mask": mask, "rollout_logprobs": torch.tensor([[0.0, 0.0, -1.0, -2.0]]), "lengths": [4],
+             "prompt": torch.tensor([0]), "prompt_length": torch.tensor([2]),
              "nucleus_logprobs": torch.tensor([[0.0, 0.0, -1.0 - 0.1 * (rank + 1), -2.0]]) * mask}
     metrics = step_metrics(0, [t], {"dropped_uniform": 1 - trained, "dropped_overlong": 0, "dropped_env_error": 0}, batch, [], [], None, [0.0, 1.0, 2.0, 3.0, 4.0])
     if rank == 0:
@@ -41,6 +43,7 @@ dist.destroy_process_group()
 
 
 CASES = [([1, 1], 0.2), ([1, 0], 0.1), ([0, 1], 0.2), ([0, 0], None)]  # (which ranks train, engine_logprob_diff)
+IMBALANCE = {2: 1.0, 1: 2.0, 0: 0.0}  # trained trajectories -> the busiest rank's trainer tokens over the mean rank's
 
 
 def test_engine_logprob_diff_only_where_a_rank_compared(tmp_path):
@@ -55,6 +58,7 @@ def test_engine_logprob_diff_only_where_a_rank_compared(tmp_path):
     for (trained, engine_diff), line in zip(CASES, lines, strict=True):
         metrics = json.loads(line)
         assert metrics["dropped_uniform"] == 1 - sum(trained) / 2
+        assert metrics["rank_imbalance"] == IMBALANCE[sum(trained)]
         if engine_diff is None:  # every trajectory left out: nothing compared, nothing claimed
             assert "engine_logprob_diff" not in metrics, trained
         else:  # the ranks that compared; a rank that did not leaves the max alone

@@ -145,6 +145,22 @@ def test_last_k_context_trains_on_two_ranks_and_resumes(tmp_path):
         assert step3[k] == pytest.approx(steps[2][k], rel=1e-5, abs=1e-7), k
 
 
+def test_ranks_train_on_about_as_many_tokens_and_as_if_the_rows_had_stayed(tmp_path):
+    """train.balance_ranks on 2 ranks: the first half of the prompts open with a long preamble
+    (tests/uneven_task.py), so rank 0 rolls out about 1.8 times rank 1's tokens (rank_imbalance 1.28). Whole groups move until
+    the ranks are about even (rank_imbalance: the busiest rank's trainer tokens over the mean rank's),
+    and the update is the one the rows would have made where they were rolled out: with one
+    mini-batch, the global token-mean loss and its gradient do not depend on which rank holds a row."""
+    uneven = ["algo=grpo", "steps=1", f"data.task={os.path.join(ROOT, 'tests', 'uneven_task.py')}", "data.shuffle=false",
+              "data.num_train=8", "rollout.prompts_per_step=8", "rollout.group_size=2", "ppo.mini_batch_size=16", "train.warm_start_steps=0"]
+    [stay], [move] = [[m for m in train(tmp_path / name, *uneven, f"train.balance_ranks={on}")[1] if m["step"] == 1]
+                      for name, on in [("stay", "false"), ("move", "true")]]
+    assert stay["rank_imbalance"] > 1.2 and move["rank_imbalance"] < 1.1, (stay["rank_imbalance"], move["rank_imbalance"])
+    for k in ["reward", "response_tokens", "turns", "tool_calls", "dropped_uniform", "pg_loss", "grad_norm", "entropy", "approx_kl"]:
+        assert move[k] == pytest.approx(stay[k], rel=1e-5, abs=1e-7), k
+    assert stay["pg_loss"] != 0 and stay["dropped_uniform"] == 0
+
+
 def test_engine_logprob_diff_compares_like_with_like_under_top_p(tmp_path):
     """With rollout.top_p < 1 the engine reports logprobs renormalised over the nucleus it sampled
     from; engine_logprob_diff compares them with the trainer's renormalised the same way (fp32, the

@@ -22,18 +22,21 @@ pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_make_demo_learns_to_search_and_writes_the_report(tmp_path):
-    demo = tmp_path / "demo"
+def make_demo(target, variable, demo, files):
+    """`make target` into the folder demo (the Makefile's variable), the files it must have written
+    checked; returns the metrics of its run."""
     # a bound against a hang, not the demo's 10 minutes: beside a busy process its 2-thread pretraining
     # was seen still running after 22 minutes (each OpenMP barrier waits on a thread the neighbour preempts)
-    proc = procs.run(["make", "demo", f"DEMO={demo}", f"PY={sys.executable}"], cwd=ROOT, capture_output=True,
-                     text=True, timeout=3 * 3600)
+    proc = procs.run(["make", target, f"{variable}={demo}", f"PY={sys.executable}"], cwd=ROOT, capture_output=True, text=True, timeout=3 * 3600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for name in ("data/train.parquet", "data/val.parquet", "data/corpus.jsonl", "data/scrambled.jsonl", "data/dialogues.jsonl",
-                 "data/index/meta.json", "model/tokenizer.json"):
+    for name in ("data/train.parquet", "data/val.parquet", "model/tokenizer.json", *files):
         assert (demo / name).exists(), name
-    run = demo / "run"
-    metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    return [json.loads(line) for line in open(demo / "run" / "metrics.jsonl")]
+
+
+def test_make_demo_learns_to_search_and_writes_the_report(tmp_path):
+    metrics = make_demo("demo", "DEMO", tmp_path / "demo", ["data/corpus.jsonl", "data/scrambled.jsonl", "data/dialogues.jsonl", "data/index/meta.json"])
+    run = tmp_path / "demo" / "run"
     evals = [m for m in metrics if "eval/reward" in m]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == max(m["step"] for m in metrics) > 0
     before, after = evals[0], evals[-1]
@@ -52,15 +55,8 @@ def test_make_demo_learns_to_search_and_writes_the_report(tmp_path):
 
 
 def test_make_demo_textworld_learns_to_win_held_out_games(tmp_path):
-    demo = tmp_path / "demo-textworld"
-    proc = procs.run(["make", "demo-textworld", f"TWDEMO={demo}", f"PY={sys.executable}"], cwd=ROOT, capture_output=True,
-                     text=True, timeout=3 * 3600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for name in ("data/train.parquet", "data/val.parquet", "data/exits.jsonl", "data/walkthroughs.jsonl", "data/transcripts.jsonl",
-                 "model/tokenizer.json"):
-        assert (demo / name).exists(), name
-    run = demo / "run"
-    metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    metrics = make_demo("demo-textworld", "TWDEMO", tmp_path / "demo-textworld", ["data/exits.jsonl", "data/walkthroughs.jsonl", "data/transcripts.jsonl"])
+    run = tmp_path / "demo-textworld" / "run"
     evals = [m for m in metrics if "eval/won" in m]
     assert [e["step"] for e in evals] == [0, 5, 10, 15, 20]
     before, after = evals[0], evals[-1]

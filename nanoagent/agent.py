@@ -111,15 +111,19 @@ class Trajectory:
 
 def start_trajectories(env, samples, max_context_tokens):
     """One trajectory per sample, with an environment of its own, reset on the sample: its prompt ids
-    are the conversation reset returns, rendered (with the tools' schemas, for a tool task)."""
-    trajs = []
+    are the conversation reset returns, rendered (with the tools' schemas, for a tool task), once
+    for all the trajectories that reset to the same conversation (a group's, as a rule)."""
+    trajs, rendered = [], {}  # repr(conversation) -> its prompt ids
     for s in samples:
         environment = env.make()
         try:
             messages = list(environment.reset(s))
         except Exception as e:
             raise RuntimeError(f"the environment of {s.get('id')!r} did not reset: {type(e).__name__}: {e}") from e
-        prompt_ids = env.prompt_ids(messages)
+        key = repr(messages)
+        if key not in rendered:
+            rendered[key] = env.prompt_ids(messages)
+        prompt_ids = rendered[key]
         if len(prompt_ids) >= max_context_tokens:
             raise ValueError(f"prompt {s.get('id')!r} is {len(prompt_ids)} tokens, over the context budget of {max_context_tokens}")
         trajs.append(Trajectory(sample={**s, "messages": messages}, prompt_ids=prompt_ids, messages=list(messages), env=environment,

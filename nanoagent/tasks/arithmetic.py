@@ -57,11 +57,13 @@ def score(traj, cfg):
 def demonstration(row, rng):
     """
     Scripted assistant turns for a warm start by imitation, deliberately imperfect so RL has room:
-    the demonstrator uses the calculator on 60% of the first phrasing and 20% of the second, and
+    the demonstrator uses the calculator on 90% of the first phrasing and 20% of the second, and
     otherwise guesses without a tool: a + b, never the product for a, b >= 3. Imitation leaves a
-    greedy policy that often guesses; RL has to learn that the calculator pays on both phrasings.
+    greedy policy that calls the calculator on the first phrasing and guesses on the second; RL has
+    to learn that the calculator pays on both. (At 60%, the first token's choice on the first
+    phrasing was close to even, and which way the greedy policy went changed with seed and CPU.)
     """
-    use_tool = rng.random() < (0.6 if row["phrasing"] == 0 else 0.2)
+    use_tool = rng.random() < (0.9 if row["phrasing"] == 0 else 0.2)
     if not use_tool:
         return [f"<answer>{row['a'] + row['b']}</answer>"]
     call = json.dumps({"name": "calculator", "arguments": {"expression": f"{row['a']} * {row['b']}"}})

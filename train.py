@@ -93,14 +93,11 @@ def token_rewards(trajs, batch, tool_call_reward):
 
 def trained_rows(trajs, outcomes, process, owner, groups, cfg):
     """
-    Which trajectories the update trains on ([B] float, 1 or 0), and how many are left out for
-    each reason. DAPO's dynamic sampling (grpo.drop_uniform_groups): a group whose advantages are
-    all 0 has no signal; for grpo and rloo (rl.outcome_token_advantages) that is a group whose
-    outcomes are all equal and none of whose trajectories earned a process reward. DAPO's overlong
-    filtering (train.overlong_filter): a trajectory cut by the token or context budget is not
-    trained on (it still counts in its group's baseline, and as dropped_overlong when its group is
-    not dropped already); nor is one whose environment failed (env_error). outcomes: [B]; process:
-    [R, L] process rewards; owner: [R] each row's trajectory; groups: [B] group ids.
+    Which trajectories the update trains on ([B] float, 1 or 0), and how many are left out for each
+    reason. DAPO's dynamic sampling (grpo.drop_uniform_groups): a grpo/rloo group whose outcomes are all
+    equal and which earned no process reward has advantages all 0, no signal. DAPO's overlong filtering
+    (train.overlong_filter): a trajectory cut by a budget is not trained on (it still counts in its
+    group's baseline); nor is one whose environment failed. owner: [R] each row's trajectory.
     """
     uniform = torch.zeros(len(trajs), dtype=torch.bool)
     if cfg.algo in ("grpo", "rloo") and cfg.grpo.drop_uniform_groups:
@@ -113,14 +110,9 @@ def trained_rows(trajs, outcomes, process, owner, groups, cfg):
 
 
 def step_batch(trajs, pad_id, cfg):
-    """
-    The step's rows and rewards: batch (collate: a row per trajectory, or with rollout.context=last_k
-    one per turn; batch["trajectory"]: [R] each row's), rewards and process ([R, L] all rewards and
-    the process rewards among them, on the action tokens that train), outcomes ([B] what GRPO
-    compares within a group), groups ([B] ids: group_size consecutive trajectories are a prompt's),
-    kept (the rows of the trajectories that train: the others get mask 0, and no forward pass runs
-    over them) and dropped (trained_rows).
-    """
+    """The step's rows (collate: one per trajectory, or per turn with last_k), rewards and process [R, L] on the action
+    tokens that train, outcomes [B], groups [B] (group_size consecutive trajectories), kept (the rows that train; the
+    others get mask 0 and no forward pass) and dropped (trained_rows)."""
     batch = collate(trajs, pad_id)
     owner = batch["trajectory"]
     rewards, process = token_rewards(trajs, batch, cfg.train.tool_call_reward)
@@ -168,11 +160,9 @@ def optimizer_step(model, optimizer, loss_sum, grad_clip):
 
 def ppo_epochs(models, optimizers, batch, kept, n_mini, policy_moves, on_policy, cfg, step, rank, world, device):
     """
-    PPO epochs over n_mini mini-batches of the trajectories that train (kept: this rank's rows; a
-    trajectory's rows, one or one per turn, stay in one mini-batch): the critic's step, then the
-    policy's (policy_moves: not in the critic's warm-up; on_policy: see update_policy). Every rank
-    takes the n_mini optimizer steps (each is a collective): one left with no rows runs zero-weight
-    passes. Returns the policy's and the critic's [(shares, globals)] (see update_policy).
+    PPO epochs over n_mini mini-batches of the kept rows (a trajectory's rows stay in one mini-batch): the
+    critic's step, then the policy's (policy_moves: not in the critic's warm-up). Every rank takes the n_mini
+    optimizer steps (collectives); one with no rows runs zero-weight passes. Returns [(shares, globals)] each.
     """
     rows_of = {}  # trajectory -> its kept rows
     for row in kept:
@@ -192,12 +182,9 @@ def ppo_epochs(models, optimizers, batch, kept, n_mini, policy_moves, on_policy,
 
 
 def update_policy(policy, optimizer, batch, rows, on_policy, cfg, world, device):
-    """
-    One optimizer step of the policy on a mini-batch (row indices of this rank). on_policy: the step's
-    only update, so the old logprobs are this forward's, detached (ratio 1), written into the batch
-    for what reads them after. Returns (shares, globals): this rank's share of each loss statistic
-    (they add up over ranks to the mini-batch's value) and the values every rank already agrees on.
-    """
+    """One optimizer step of the policy on a mini-batch (this rank's rows). on_policy: the step's only update, so the old
+    logprobs are this forward's, detached (ratio 1), and written into the batch. Returns (shares, globals): this rank's
+    share of each loss statistic (they add up over ranks) and the values every rank already agrees on."""
     global_tokens, global_units, unit_tokens = rl.unit_counts(batch["action_mask"], loss_units(batch, cfg), rows, all_reduce)
     shares = {"pg_loss": 0.0, "clipfrac": 0.0, "approx_kl": 0.0, "entropy": 0.0, "kl_loss": 0.0}
     for layout, get in micro_steps({**batch, "unit_tokens": unit_tokens}, rows, cfg.train.micro_batch_tokens, device):
@@ -235,9 +222,8 @@ def update_policy(policy, optimizer, batch, rows, on_policy, cfg, world, device)
 
 
 def update_critic(critic, optimizer, batch, rows, cfg, world, device):
-    """One optimizer step of the critic on a mini-batch: clipped value loss on the tokens where
-    value_mask is 1 (the action tokens; with ppo.credit=step each step's first, where its value is
-    read), a global mean (train.loss_agg). Returns (shares, globals) like update_policy."""
+    """One optimizer step of the critic on a mini-batch: clipped value loss where value_mask is 1 (action tokens; with
+    ppo.credit=step each step's first, where its value is read), a global mean. Returns (shares, globals)."""
     global_tokens, global_units, unit_tokens = rl.unit_counts(batch["value_mask"], loss_units(batch, cfg), rows, all_reduce)
     shares = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
     for layout, get in micro_steps({**batch, "unit_tokens": unit_tokens}, rows, cfg.train.micro_batch_tokens, device):
@@ -299,10 +285,8 @@ def main(argv=None):
         metrics = {"step": 0, **evaluate(engine, env, task, val_rows, cfg, rank, world)}
         print0("step    0 | " + " | ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k != "step"))
         log.log(metrics)
-    # A SIGTERM (a preemption: torchrun passes its own on to every worker and kills them
-    # --shutdown-timeout seconds later, 30 by default) is acted on at the next safe point, after the
-    # rollout or after the update, on every rank together: checkpoint, then exit 143 so that a
-    # scheduler sees a run that did not finish.
+    # A SIGTERM (a preemption: torchrun passes it on, and kills 30 s later) is acted on at the next safe point, after the
+    # rollout or the update, on every rank together: checkpoint, then exit 143 (a scheduler sees a run that did not finish).
     sigterm = {"received": False}
     signal.signal(signal.SIGTERM, lambda *_: sigterm.update(received=True))
     saved_step = start_step if checkpoint else None

@@ -191,7 +191,7 @@ def main(argv=None):
     try:
         with console.status(f"loading {args.model}"):
             engine = make_engine(args.engine or cfg.rollout.engine, model_path, tokenizer, max_context, dtype,
-                                 cfg.rollout.gpu_memory_utilization, cfg.rollout.tensor_parallel_size, cfg.seed)
+                                 cfg.rollout.gpu_memory_utilization, cfg.rollout.tensor_parallel_size, cfg.seed, cfg.rollout.compile)
     except (OSError, RuntimeError, ValueError) as e:  # no vLLM, weights missing, a stop tag the tokenizer splits
         fail(f"cannot start the engine for {args.model!r}: {str(e).strip().splitlines()[0]}")
     sampling = SamplingConfig(cfg.rollout.max_new_tokens, args.temperature or 1.0, cfg.rollout.top_p, greedy=args.temperature == 0)

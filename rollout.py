@@ -67,7 +67,7 @@ def main(argv=None):
                                                         top_k=cfg.rollout.search_top_k)
     env = task_env(task, cfg, tokenizer, tools)
     engine = make_engine(cfg.rollout.engine, model_path, tokenizer, cfg.rollout.max_context_tokens, cfg.rollout.dtype,
-                         cfg.rollout.gpu_memory_utilization, cfg.rollout.tensor_parallel_size, cfg.seed)
+                         cfg.rollout.gpu_memory_utilization, cfg.rollout.tensor_parallel_size, cfg.seed, cfg.rollout.compile)
     sampling = SamplingConfig(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, args.greedy)
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -268,7 +268,7 @@ def main(argv=None):
     models, ref, optimizers = build_models(cfg, model_path, device)
     policy, critic = models["policy"], models.get("critic")
     engine = make_engine(cfg.rollout.engine, model_path, tokenizer, cfg.rollout.max_context_tokens, cfg.rollout.dtype,
-                         cfg.rollout.gpu_memory_utilization, cfg.rollout.tensor_parallel_size, cfg.seed + rank)
+                         cfg.rollout.gpu_memory_utilization, cfg.rollout.tensor_parallel_size, cfg.seed + rank, cfg.rollout.compile)
     sampling = SamplingConfig(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p)
 
     # resume, or warm start by imitation; then the engine gets the policy's weights

@@ -151,12 +151,12 @@ def main():
     tools = [calculator_tool(), search_tool(retriever, 1)]
     env = tool_env(tools, tok, max_obs_tokens=64, timeout_s=TIMEOUT_S)
     model_dir, _ = scripted.memorise(base, os.path.join(tmp, "scripted"), env, steps=150)
-    engine = VLLMEngine(model_dir, stop_token_ids(tok), 2048, dtype="float32")
+    engine = VLLMEngine(model_dir, stop_token_ids(tok), 2048, dtype="float32", compile=False)  # as the CPU presets
     bench_loops(engine, env, tools, copies=8)
     bench_reload(engine, model_dir, "tiny")
     del engine
     bigger = build_tiny_model(os.path.join(tmp, "bigger"), hidden_size=1024, num_layers=8)
-    bench_reload(VLLMEngine(bigger, stop_token_ids(tok), 2048, dtype="float32"), bigger, "hidden 1024 x 8 layers")
+    bench_reload(VLLMEngine(bigger, stop_token_ids(tok), 2048, dtype="float32", compile=False), bigger, "hidden 1024 x 8 layers")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from nanoagent.tiny import ensure_tiny_model
 from transformers import AutoTokenizer
 imported = time.perf_counter()
 path = ensure_tiny_model(sys.argv[2])
-engine = VLLMEngine(path, stop_token_ids(AutoTokenizer.from_pretrained(path)), 1024, dtype="float32")
+engine = VLLMEngine(path, stop_token_ids(AutoTokenizer.from_pretrained(path)), 1024, dtype="float32", compile=False)  # as the CPU presets
 print(imported - start, time.perf_counter() - imported, flush=True)
 exit_now(0) if sys.argv[1] == "exit_now" else sys.exit(0)
 """

@@ -55,7 +55,7 @@ def main():
     print(f"a game alone: reset {statistics.median(resets) * 1e3:.1f} ms, step {statistics.median(steps) * 1e3:.2f} ms (medians)")
 
     tok = AutoTokenizer.from_pretrained(ensure_tiny_model())
-    engine = VLLMEngine(ensure_tiny_model(), stop_token_ids(tok), 4096, dtype="float32", seed=0)
+    engine = VLLMEngine(ensure_tiny_model(), stop_token_ids(tok), 4096, dtype="float32", seed=0, compile=False)  # as the demo preset
     env = ChatEnv(lambda: textworld.Game(out), tok, max_obs_tokens=256)
     samples = [rows[i % len(rows)] for i in range(args.trajectories)]
     sampling = SamplingConfig(max_new_tokens=16, temperature=1.0)

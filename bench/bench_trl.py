@@ -10,7 +10,8 @@ rendered through its chat template with the calculator's schema (TRL is given th
 8 prompts x 8 samples, 64 new tokens at temperature 1, one turn, one optimizer step a step (the 64
 samples are one mini-batch), lr 1e-4, fp32, no KL, no activation checkpointing, every group trained
 (grpo.drop_uniform_groups=false: with random weights every reward is 0). TRL generates with
-transformers (its vLLM colocate mode needs a GPU build of vLLM); nanoagent with its vLLM engine. A
+transformers (its vLLM colocate mode needs a GPU build of vLLM); nanoagent with its vLLM engine,
+compiled (rollout.compile, the default that the tiny preset turns off for the tests' start-up). A
 random model seldom ends a sample early, so both sides generate and train on ~64 x 60 tokens a step.
 
 Each sitting runs nanoagent's train.py, then TRL, each in a fresh process, one after the other; a
@@ -42,7 +43,7 @@ from nanoagent.tiny import ensure_tiny_model  # noqa: E402
 PROMPTS, GROUP, NEW_TOKENS, LR = 8, 8, 64, 1e-4
 OVERRIDES = ["model=tiny", "algo=grpo", "rollout.max_turns=1", f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={GROUP}",
              f"rollout.max_new_tokens={NEW_TOKENS}", f"ppo.mini_batch_size={PROMPTS * GROUP}", "grpo.drop_uniform_groups=false",
-             f"train.lr={LR}", "train.warmup_steps=0", "eval.every=0", "resume=never"]
+             f"train.lr={LR}", "train.warmup_steps=0", "eval.every=0", "resume=never", "rollout.compile=true"]
 
 
 def nanoagent_steps(steps, run_dir):
@@ -63,17 +64,23 @@ def task_prompts():
 
 def generation_floor():
     """Seconds to generate a step's samples with no agent loop and no training: vLLM as nanoagent
-    drives it (per-request seeds, the sampled tokens' logprobs), and the transformers fallback engine."""
+    drives it (per-request seeds, the sampled tokens' logprobs), compiled and eager, and the
+    transformers fallback engine. Each call takes the next prompts, as a training step does."""
     _, model, tokenizer, train_rows, env = task_prompts()
-    prompts = [env.prompt_ids(row["messages"]) for row in train_rows[:PROMPTS] for _ in range(GROUP)]  # a step's, as the engine gets them
+    steps = iter(range(len(train_rows) // PROMPTS))
+    def step_prompts():  # the next step's, as the engine gets them: fresh prompts, nothing in the prefix cache yet
+        step = next(steps)
+        return [env.prompt_ids(row["messages"]) for row in train_rows[step * PROMPTS:(step + 1) * PROMPTS] for _ in range(GROUP)]
     sampling = SamplingConfig(max_new_tokens=NEW_TOKENS)
-    seeds = list(range(len(prompts)))
+    seeds = list(range(PROMPTS * GROUP))
     figures = {}
     for name, engine in (("vllm", lambda: VLLMEngine(model, stop_token_ids(tokenizer), 1536, "float32")),
+                         ("vllm_eager", lambda: VLLMEngine(model, stop_token_ids(tokenizer), 1536, "float32", compile=False)),
                          ("hf", lambda: HFEngine(model, stop_token_ids(tokenizer), pad_token_id(tokenizer), "float32"))):
         engine = engine()
-        engine.generate(prompts, sampling, seeds=seeds)  # warm-up
-        figures[name] = median_time(lambda: engine.generate(prompts, sampling, seeds=seeds))
+        engine.generate(step_prompts(), sampling, seeds=seeds)  # warm-up
+        figures[name] = median_time(lambda: engine.generate(step_prompts(), sampling, seeds=seeds))
+        del engine
     return figures
 
 
@@ -102,8 +109,8 @@ def main():
               f"TRL GRPOTrainer {theirs:.3f} s/step (generation {generation:.3f}) | nanoagent {theirs / ours:.2f}x faster")
     print(f"median over {args.sittings} sittings: nanoagent {statistics.median(ratios):.2f}x TRL's speed")
     floor = generation_floor()
-    print(f"generation alone, the same {PROMPTS * GROUP} samples (median of 5): vLLM as nanoagent drives it {floor['vllm']:.3f} s, "
-          f"nanoagent's transformers engine {floor['hf']:.3f} s")
+    print(f"generation alone, a step's {PROMPTS * GROUP} samples (median of 5): vLLM as nanoagent drives it {floor['vllm']:.3f} s "
+          f"(eager: {floor['vllm_eager']:.3f} s), nanoagent's transformers engine {floor['hf']:.3f} s")
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ CHANGEABLE = {
     "data.val_path", "data.index_dir", "data.num_val",
     "rollout.engine", "rollout.temperature", "rollout.top_p", "rollout.max_turns", "rollout.max_new_tokens",
     "rollout.max_context_tokens", "rollout.max_obs_tokens", "rollout.tool_timeout_s", "rollout.search_top_k", "rollout.dtype",
-    "rollout.gpu_memory_utilization", "rollout.context", "rollout.keep_turns",
+    "rollout.compile", "rollout.gpu_memory_utilization", "rollout.context", "rollout.keep_turns",
     "ppo.gamma", "ppo.lam", "ppo.clip_low", "ppo.clip_high", "ppo.clip_dual", "ppo.value_clip", "ppo.epochs", "ppo.critic_lr",
     "ppo.critic_warmup_steps", "ppo.whiten_advantages", "ppo.whiten_over", "ppo.ratio",
     "grpo.scale_by_std", "grpo.eps", "grpo.drop_uniform_groups",

@@ -61,6 +61,7 @@ class RolloutConfig:
     step_timeout_s: float = opt(120.0, "time limit of one environment step (a tool task's: its calls, queueing included); past it the step is abandoned and its trajectory ends (env_error)")
     search_top_k: int = opt(3, "passages returned by one search call")
     dtype: Literal["bfloat16", "float16", "float32"] = opt("bfloat16", "engine weights and activations")
+    compile: bool = opt(True, "vLLM compiles the model (torch.compile; CUDA graphs on a GPU): faster decoding after a start-up cost (CPU, tiny model: ~5 s, ~15 s when nothing is cached); the CPU presets, short runs, leave it off")
     gpu_memory_utilization: float = opt(0.5, "share of GPU memory vLLM may take (weights + KV cache)")
     tensor_parallel_size: int = opt(1, "vLLM tensor parallelism for rollout.py and chat.py (one process, several GPUs); train.py takes 1 only")
     context: Literal["full", "last_k"] = opt("full", "what a turn sees: full: the whole trajectory, one growing token row; last_k: the system prompt, the question and the last rollout.keep_turns turns, rendered afresh each turn, each turn trained as a sequence of its own (Agent-R1 v0.1's step context)")
@@ -161,7 +162,7 @@ PRESETS = {
         "data.task=arithmetic", "data.max_prompt_tokens=768", "data.num_val=32",
         "rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.max_turns=3",
         "rollout.max_new_tokens=48", "rollout.max_context_tokens=1536", "rollout.max_obs_tokens=128",
-        "rollout.dtype=float32", "rollout.tool_timeout_s=5",
+        "rollout.dtype=float32", "rollout.compile=false", "rollout.tool_timeout_s=5",
         "ppo.mini_batch_size=16", "ppo.critic_lr=1e-4",
         "train.lr=1e-4", "train.micro_batch_tokens=4096", "train.dtype=float32",
         "train.activation_checkpointing=false", "train.save_every=0", "train.warm_start_steps=0",
@@ -175,7 +176,7 @@ PRESETS = {
         "data.task=synthetic", "data.train_path=out/demo/data/train.parquet", "data.val_path=out/demo/data/val.parquet",
         "data.index_dir=out/demo/data/index", "data.max_prompt_tokens=512",
         "rollout.prompts_per_step=16", "rollout.group_size=4", "rollout.max_turns=4", "rollout.max_new_tokens=48",
-        "rollout.max_context_tokens=1024", "rollout.max_obs_tokens=128", "rollout.search_top_k=1", "rollout.dtype=float32",
+        "rollout.max_context_tokens=1024", "rollout.max_obs_tokens=128", "rollout.search_top_k=1", "rollout.dtype=float32", "rollout.compile=false",
         "rollout.tool_timeout_s=10",
         "ppo.mini_batch_size=16", "train.lr=3e-4", "train.micro_batch_tokens=8192", "train.dtype=float32",
         "train.activation_checkpointing=false", "train.save_every=0", "train.warm_start_steps=60", "train.warm_start_lr=1e-3",
@@ -189,7 +190,7 @@ PRESETS = {
         "model=out/demo-textworld/model", "algo=grpo", "steps=20", "run_dir=out/demo-textworld/run", "resume=never",
         "data.task=textworld", "data.train_path=out/demo-textworld/data/train.parquet", "data.val_path=out/demo-textworld/data/val.parquet",
         "data.max_prompt_tokens=512", "rollout.prompts_per_step=16", "rollout.group_size=4", "rollout.max_turns=5",
-        "rollout.max_new_tokens=16", "rollout.max_context_tokens=2048", "rollout.max_obs_tokens=128", "rollout.dtype=float32",
+        "rollout.max_new_tokens=16", "rollout.max_context_tokens=2048", "rollout.max_obs_tokens=128", "rollout.dtype=float32", "rollout.compile=false",
         "ppo.mini_batch_size=64", "train.lr=5e-4", "train.micro_batch_tokens=8192", "train.dtype=float32",
         "train.activation_checkpointing=false", "train.save_every=0", "train.warm_start_steps=60", "train.warm_start_lr=1e-3",
         "eval.every=5", "eval.num_prompts=32",

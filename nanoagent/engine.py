@@ -73,7 +73,7 @@ class VLLMEngine:
     continuous_batching = True  # a request may join while others are decoding (run_agent schedules each trajectory on its own)
 
     def __init__(self, model_path, stop_ids, max_model_len, dtype="bfloat16", gpu_memory_utilization=0.5,
-                 tensor_parallel_size=1, seed=0):
+                 tensor_parallel_size=1, seed=0, compile=True):
         # In-process engine core: the weights must be reachable from this process for reloads.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -92,7 +92,7 @@ class VLLMEngine:
             tensor_parallel_size=tensor_parallel_size,
             distributed_executor_backend="external_launcher" if distributed else None,
             gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=not on_gpu,  # CPU: no graph capture or compilation to pay for at start
+            enforce_eager=not compile,  # compile: torch.compile of the model, on a GPU with CUDA graphs
             enable_sleep_mode=on_gpu,
             logprobs_mode="processed_logprobs",  # logprobs after temperature: the distribution sampled from
             enable_prefix_caching=True,  # turn k+1's prompt is turn k's sequence: its KV is reused
@@ -278,9 +278,9 @@ class HFEngine:
 
 
 def make_engine(kind, model_path, tokenizer, max_model_len, dtype="bfloat16", gpu_memory_utilization=0.5,
-                tensor_parallel_size=1, seed=0):
+                tensor_parallel_size=1, seed=0, compile=True):
     """The engine the config asks for. 'auto' is vLLM where it is installed, else the fallback;
-    'vllm' refuses clearly when vLLM is not installed."""
+    'vllm' refuses clearly when vLLM is not installed. compile: vLLM's (the fallback runs eager)."""
     stop_ids = stop_token_ids(tokenizer)
     has_vllm = importlib.util.find_spec("vllm") is not None
     if kind == "auto":
@@ -288,7 +288,7 @@ def make_engine(kind, model_path, tokenizer, max_model_len, dtype="bfloat16", gp
     if kind == "vllm":
         if not has_vllm:
             raise RuntimeError("rollout.engine=vllm but vLLM is not installed here; use rollout.engine=hf")
-        return VLLMEngine(model_path, stop_ids, max_model_len, dtype, gpu_memory_utilization, tensor_parallel_size, seed)
+        return VLLMEngine(model_path, stop_ids, max_model_len, dtype, gpu_memory_utilization, tensor_parallel_size, seed, compile)
     if kind == "hf":
         return HFEngine(model_path, stop_ids, pad_token_id(tokenizer), dtype, seed=seed)
     raise ValueError(f"unknown engine {kind!r}; valid: auto, vllm, hf")

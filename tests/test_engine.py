@@ -55,8 +55,8 @@ def model_dir(tiny_model_dir, tok, tmp_path_factory):
 def vllm_engine(model_dir, tok):
     """The real vLLM CPU engine, in process. It sets up torch.distributed (a world of one) for
     itself; that is torn down with it, so the tests after this module start a process group of
-    their own as a training run does."""
-    engine = VLLMEngine(model_dir, stop_token_ids(tok), max_model_len=128, dtype="float32", seed=0)
+    their own as a training run does. Eager, to start faster (the compiled path: the test below)."""
+    engine = VLLMEngine(model_dir, stop_token_ids(tok), max_model_len=128, dtype="float32", seed=0, compile=False)
     yield engine
     del engine
     from vllm.distributed import cleanup_dist_env_and_memory  # here: the GPU machine collects this module without vLLM
@@ -119,7 +119,7 @@ def test_a_vllm_engine_starting_keeps_no_garbage_forever(tiny_model_dir, tok):
     del cycle  # garbage that only a gc pass frees; no automatic pass may free it before the engine starts
     gc.disable()
     try:
-        engine = VLLMEngine(tiny_model_dir, stop_token_ids(tok), max_model_len=128, dtype="float32", seed=0)
+        engine = VLLMEngine(tiny_model_dir, stop_token_ids(tok), max_model_len=128, dtype="float32", seed=0, compile=False)
     finally:
         gc.enable()
     gc.collect()

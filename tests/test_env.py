@@ -83,8 +83,9 @@ def tok(tiny_model_dir):
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir, tok):
     """The real vLLM CPU engine, in process; the torch.distributed world of one it sets up for itself
-    is torn down with it, so that later tests can start a process group of their own (test_engine.py)."""
-    engine = VLLMEngine(tiny_model_dir, stop_token_ids(tok), MAX_CONTEXT, dtype="float32", seed=0)
+    is torn down with it, so that later tests can start a process group of their own (test_engine.py).
+    Eager, to start faster: test_rollout.py's engine runs the compiled path."""
+    engine = VLLMEngine(tiny_model_dir, stop_token_ids(tok), MAX_CONTEXT, dtype="float32", seed=0, compile=False)
     yield engine
     del engine
     from vllm.distributed import cleanup_dist_env_and_memory  # here: the GPU machine collects this module without vLLM

@@ -7,9 +7,9 @@ on one of the two question phrasings they mostly guess without the tool (and are
 warm-started greedy policy answers those questions wrong (asserted: it calls the calculator on about
 half the held-out questions, and gets at most 0.7 of them right). Then every estimator the trainer
 has (ESTIMATORS), each from the same warm-started export and with the same RL budget, must raise the
-held-out greedy reward by >= 0.2 absolute, at one of the evaluations after steps 2, 4 and 6: on 32
+held-out greedy reward by >= 0.2 absolute, at one of the evaluations after steps 2 and 4: on 32
 held-out questions of two phrasings, greedy answers flip a whole phrasing at once, and a run that
-learns can be caught at a step where they flipped back (StepPO, 1.00, 0.91, 1.00 at steps 2, 4, 6).
+learns can be caught at a step where they flipped back (StepPO once: 1.00, 0.91, 1.00 at steps 2, 4, 6).
 The premise is built in: 300 imitation steps of 64 demonstrations at 1e-3, from a demonstrator that
 calls the calculator on 90% of one phrasing (arithmetic.demonstration). With 400 steps of 16 at 3e-3
 and 60%, the warm start's held-out reward was 0.00-0.50 across seeds 0-2 and CPU kernel paths (the
@@ -32,7 +32,7 @@ import procs
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARM_START = ["train.warm_start_steps=300", "train.warm_start_lr=1e-3", "ppo.mini_batch_size=64", "rollout.prompts_per_step=16"]
-RL = ["steps=6", "eval.every=2", "train.lr=3e-4", "ppo.critic_lr=1e-3"]
+RL = ["steps=4", "eval.every=2", "train.lr=3e-4", "ppo.critic_lr=1e-3"]
 ESTIMATORS = {  # name: overrides (README: "How the code maps to the Agent-R1 formulation")
     "grpo": ["algo=grpo"],
     "gspo": ["algo=grpo", "ppo.ratio=sequence", "train.loss_agg=seq_mean_token_mean"],

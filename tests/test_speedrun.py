@@ -15,7 +15,7 @@ from nanoagent.retriever import packaged_minilm_path
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXTRA = ("steps=1 rollout.prompts_per_step=2 rollout.group_size=2 ppo.mini_batch_size=4 rollout.max_turns=2 "
-         "rollout.max_new_tokens=16 rollout.max_context_tokens=2048 rollout.dtype=float32 train.dtype=float32 "
+         "rollout.max_new_tokens=16 rollout.max_context_tokens=2048 rollout.dtype=float32 rollout.compile=false train.dtype=float32 "
          "train.activation_checkpointing=false train.micro_batch_tokens=4096 eval.every=1 eval.num_prompts=4")
 
 

@@ -54,10 +54,10 @@ def scripted_dir(tiny_model_dir, env, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(scripted_dir, env):
-    """The real vLLM CPU engine, in process, compiled (rollout.compile, a GPU run's default); the torch.distributed
-    world of one it sets up for itself goes with it (make test's workers run other modules' tests in this process
-    after these)."""
-    engine = VLLMEngine(scripted_dir, stop_token_ids(env.tokenizer), MAX_CONTEXT, dtype="float32", seed=0)
+    """The real vLLM CPU engine, in process; the torch.distributed world of one it sets up for itself
+    goes with it (make test's workers run other modules' tests in this process after these). Eager, to
+    start faster (the compiled path: test_engine.py)."""
+    engine = VLLMEngine(scripted_dir, stop_token_ids(env.tokenizer), MAX_CONTEXT, dtype="float32", seed=0, compile=False)
     yield engine
     del engine
     from vllm.distributed import cleanup_dist_env_and_memory  # here: the GPU machine collects this module without vLLM
@@ -416,7 +416,7 @@ def tagging_qwen_dir(qwen_model_dir, tmp_path_factory):
 def qwen_engine(tagging_qwen_dir):
     """The real vLLM CPU engine on the Qwen-vocabulary model; the torch.distributed world of one it
     sets up goes with it (make test's workers run other modules' tests in this process after this). Eager, to start
-    faster: the module's engine runs the compiled path."""
+    faster."""
     engine = VLLMEngine(tagging_qwen_dir, stop_token_ids(AutoTokenizer.from_pretrained(tagging_qwen_dir)), MAX_CONTEXT, dtype="float32", seed=0,
                         compile=False)
     yield engine

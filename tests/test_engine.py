@@ -140,18 +140,18 @@ def test_a_compiled_vllm_engine_generates_with_the_weights_it_is_given(tiny_mode
     prompts, greedy = random_prompts(4, len(tok), seed=7), SamplingConfig(max_new_tokens=8, greedy=True)
     engine = VLLMEngine(tiny_model_dir, [], max_model_len=128, dtype="float32", seed=0, compile=True)
     assert engine.llm.llm_engine.vllm_config.compilation_config.mode != CompilationMode.NONE  # the CPU: DYNAMO_TRACE_ONCE
-    new = load_causal_lm(tiny_model_dir)
+    base, new = load_causal_lm(tiny_model_dir), load_causal_lm(tiny_model_dir)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in new.parameters():
             p.add_(0.5 * torch.randn(p.shape, generator=g))
-    for model in (load_causal_lm(tiny_model_dir), new):
+    for model in (base, new):
         engine.load_weights(model.named_parameters(remove_duplicate=False))  # as train.py sends them (model.full_tensors)
         gens = engine.generate(prompts, greedy)
         for prompt, gen, (logprobs, _, _) in zip(prompts, gens, trainer_view(model, prompts, gens, 1.0)):
             assert gen.token_ids == greedy_alone(model, prompt, 8, [])[0]
             torch.testing.assert_close(torch.tensor(gen.logprobs), logprobs, atol=1e-4, rtol=0)
-    assert [g.token_ids for g in gens] != [greedy_alone(load_causal_lm(tiny_model_dir), p, 8, [])[0] for p in prompts]
+    assert [g.token_ids for g in gens] != [greedy_alone(base, p, 8, [])[0] for p in prompts]  # the reload changed the tokens
     del engine
     from vllm.distributed import cleanup_dist_env_and_memory
     cleanup_dist_env_and_memory()

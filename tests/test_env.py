@@ -84,7 +84,7 @@ def tok(tiny_model_dir):
 def engine(tiny_model_dir, tok):
     """The real vLLM CPU engine, in process; the torch.distributed world of one it sets up for itself
     is torn down with it, so that later tests can start a process group of their own (test_engine.py).
-    Eager, to start faster: test_rollout.py's engine runs the compiled path."""
+    Eager, to start faster (the compiled path: test_engine.py)."""
     engine = VLLMEngine(tiny_model_dir, stop_token_ids(tok), MAX_CONTEXT, dtype="float32", seed=0, compile=False)
     yield engine
     del engine

@@ -47,10 +47,10 @@ ESTIMATORS = {  # name: overrides (README: "How the code maps to the Agent-R1 fo
 }
 
 
-def train(run_dir, *overrides, threads=None):
-    """The metrics of a train.py run (its output in run_dir.log), once it has exited 0."""
+def train(run_dir, *overrides):
+    """The metrics of a train.py run on one thread (its output in run_dir.log), once it has exited 0."""
     cmd = [sys.executable, "train.py", "--config=tiny", f"run_dir={run_dir}", "resume=never", *overrides]
-    env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(f"{run_dir}.log", "w") as log:
         proc = procs.start(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     assert proc.wait(timeout=1500) == 0, open(f"{run_dir}.log").read()[-4000:]
@@ -58,14 +58,14 @@ def train(run_dir, *overrides, threads=None):
 
 
 def test_every_estimator_improves_on_the_warm_start(tmp_path):
-    warm = train(tmp_path / "warm", "steps=0", "eval.every=1", *WARM_START, threads=1)
+    warm = train(tmp_path / "warm", "steps=0", "eval.every=1", *WARM_START)
     start_reward, start_calls = warm[0]["eval/reward"], warm[0]["eval/tool_calls"]
     assert 0.3 <= start_calls <= 0.7, f"the warm start should call the calculator on one phrasing of two: {start_calls:.2f} calls a question"
     assert start_reward <= 0.7, f"the warm start leaves too little room for RL (held-out reward {start_reward:.2f})"
     export = str(tmp_path / "warm" / "hf")
     longest_first = sorted(ESTIMATORS, key=lambda name: "algo=ppo" not in ESTIMATORS[name])  # a critic: the longest runs
     with ThreadPoolExecutor(max_workers=2) as pool:
-        runs = pool.map(lambda name: train(tmp_path / name, f"model={export}", *ESTIMATORS[name], *RL, threads=1), longest_first)
+        runs = pool.map(lambda name: train(tmp_path / name, f"model={export}", *ESTIMATORS[name], *RL), longest_first)
         curves = {}
         for name, metrics in zip(longest_first, runs):
             evals = [(m["step"], m["eval/reward"]) for m in metrics if "eval/reward" in m]

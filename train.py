@@ -91,36 +91,94 @@ def token_rewards(trajs, batch, tool_call_reward):
     return rewards + process, process
 
 
-def trained_rows(trajs, outcomes, process, owner, groups, cfg):
+def trained_rows(trajs, outcomes, process_size, groups, cfg):
     """
     Which trajectories the update trains on ([B] float, 1 or 0), and how many are left out for each
     reason. DAPO's dynamic sampling (grpo.drop_uniform_groups): a grpo/rloo group whose outcomes are all
-    equal and which earned no process reward has advantages all 0, no signal. DAPO's overlong filtering
-    (train.overlong_filter): a trajectory cut by a budget is not trained on (it still counts in its
-    group's baseline); nor is one whose environment failed. owner: [R] each row's trajectory.
+    equal, among the trajectories that count in its baseline, and which earned no process reward
+    (process_size: [B] each trajectory's process rewards summed in absolute value) has advantages all 0. DAPO's overlong filtering
+    (train.overlong_filter): a trajectory that a budget ended is not trained on; nor is one whose
+    environment failed.
     """
+    counted = counted_in_baseline(trajs)
     uniform = torch.zeros(len(trajs), dtype=torch.bool)
-    if cfg.algo in ("grpo", "rloo") and cfg.grpo.drop_uniform_groups:
-        earned = torch.zeros(len(trajs)).index_add_(0, owner, process.abs().sum(-1))  # [B]
-        uniform = rl.uniform_groups(outcomes, groups) & rl.uniform_groups(earned, groups) & (earned == 0)  # earned: all 0
+    if cfg.algo in ("grpo", "rloo") and cfg.grpo.drop_uniform_groups and counted.any():
+        c = counted.nonzero().flatten()
+        uniform[c] = rl.uniform_groups(outcomes[c], groups[c]) & rl.uniform_groups(process_size[c], groups[c]) & (process_size[c] == 0)
+        uniform |= groups.unsqueeze(1).eq(groups[uniform].unsqueeze(0)).any(1)  # a group's left-out members go with it
     overlong = torch.tensor([cfg.train.overlong_filter and t.finish_reason in ("truncated", "context_budget") for t in trajs])
-    failed = torch.tensor([t.finish_reason == "env_error" for t in trajs])  # its reward says nothing of the policy
-    return (~uniform & ~overlong & ~failed).float(), {"dropped_uniform": uniform.sum().item(), "dropped_overlong": (overlong & ~uniform).sum().item(),
-                                                      "dropped_env_error": (failed & ~uniform & ~overlong).sum().item()}
+    return (~uniform & ~overlong & counted).float(), {"dropped_uniform": uniform.sum().item(), "dropped_overlong": (overlong & ~uniform).sum().item(),
+                                                      "dropped_env_error": (~counted & ~uniform & ~overlong).sum().item()}
+
+
+def counted_in_baseline(trajs):
+    """
+    [B] bool: the trajectories that count in their group's baseline (grpo, rloo and
+    reinforce_plus_plus_baseline: its mean and std; reinforce: the batch mean). Every sample of the
+    policy counts with the reward it earned, trained or not: an overlong one left out of the update is
+    still what the policy does. One whose environment failed (env_error) counts nowhere: its reward
+    says nothing of the policy.
+    """
+    return torch.tensor([t.finish_reason != "env_error" for t in trajs], dtype=torch.bool)
 
 
 def step_batch(trajs, pad_id, cfg):
-    """The step's rows (collate: one per trajectory, or per turn with last_k), rewards and process [R, L] on the action
-    tokens that train, outcomes [B], groups [B] (group_size consecutive trajectories), kept (the rows that train; the
-    others get mask 0 and no forward pass) and dropped (trained_rows)."""
+    """
+    The step's rows (collate: one per trajectory, or per turn with last_k); rewards and process [R, L]
+    on the action tokens that train (the others get mask 0 and no forward pass); scores, per trajectory
+    [B]: "outcome" (its reward), "earned" (its process rewards summed), "group" (group_size consecutive
+    trajectories), "counted" (counted_in_baseline) and "trained"; kept (the rows that train) and
+    dropped (trained_rows).
+    """
     batch = collate(trajs, pad_id)
     owner = batch["trajectory"]
     rewards, process = token_rewards(trajs, batch, cfg.train.tool_call_reward)
-    outcomes = torch.tensor([t.reward for t in trajs])
+    outcomes = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    earned = torch.zeros(len(trajs)).index_add_(0, owner, process.sum(-1))
     groups = torch.arange(len(trajs) // cfg.rollout.group_size).repeat_interleave(cfg.rollout.group_size)
-    keep, dropped = trained_rows(trajs, outcomes, process, owner, groups, cfg)
+    keep, dropped = trained_rows(trajs, outcomes, torch.zeros(len(trajs)).index_add_(0, owner, process.abs().sum(-1)), groups, cfg)
     mask = batch["action_mask"] = batch["action_mask"] * keep[owner][:, None]
-    return batch, rewards * mask, process * mask, outcomes, groups, keep[owner].nonzero().flatten().tolist(), dropped
+    scores = {"outcome": outcomes, "earned": earned, "group": groups, "counted": counted_in_baseline(trajs), "trained": keep > 0}
+    return batch, rewards * mask, process * mask, scores, keep[owner].nonzero().flatten().tolist(), dropped
+
+
+def baselined(fn, scores, groups, counted):
+    """fn(scores, groups) (a group baseline: rl.grpo_advantages, rl.rloo_advantages) over the counted
+    trajectories only, as if the others had not been sampled; 0 for the others, which do not train."""
+    out, c = torch.zeros(len(scores)), counted.nonzero().flatten()
+    if len(c):
+        out[c] = fn(scores[c], groups[c])
+    return out
+
+
+def critic_free_advantages(batch, rewards, process, scores, cfg):
+    """
+    [R, L] the advantages of the estimators without a critic, on the trained action tokens (rewards and
+    process as step_batch gives them, with the KL penalty in rewards when kl_mode=reward): the outcome
+    against a baseline of the counted trajectories (grpo: its group's mean and std; rloo: the mean of its
+    group's others; reinforce: the batch mean) plus the process rewards still to come; REINFORCE++:
+    discounted token returns, or every reward of the trajectory minus its group's mean, whitened over the
+    trained tokens of the batch (all ranks).
+    """
+    mask, owner, groups, counted = batch["action_mask"], batch["trajectory"], scores["group"], scores["counted"]
+    if cfg.algo == "reinforce_plus_plus":
+        return rl.whiten(rl.discounted_returns(rewards, mask, batch["steps"], cfg.ppo.gamma), mask, all_reduce=all_reduce)
+    if cfg.algo == "reinforce_plus_plus_baseline":
+        # every reward of the trajectory: a trained one's as the update sees them (its KL penalty included), a left-out one's
+        # outcome and process rewards (no logprobs were computed for it, so no KL)
+        trained_totals = torch.zeros(len(counted)).index_add_(0, owner, rewards.sum(-1))
+        totals = torch.where(scores["trained"], trained_totals, scores["outcome"] + scores["earned"])
+        centred = baselined(lambda s, g: rl.grpo_advantages(s, g, scale_by_std=False), totals, groups, counted)
+        return rl.whiten(centred[owner][:, None] * mask, mask, all_reduce=all_reduce)
+    outcomes = scores["outcome"]
+    if cfg.algo == "grpo":
+        advantages = baselined(lambda s, g: rl.grpo_advantages(s, g, cfg.grpo.eps, cfg.grpo.scale_by_std), outcomes, groups, counted)
+    elif cfg.algo == "rloo":
+        advantages = baselined(rl.rloo_advantages, outcomes, groups, counted)
+    else:  # reinforce
+        total, count = all_reduce([outcomes[counted].sum().item(), counted.sum().item()])
+        advantages = outcomes - total / max(count, 1)
+    return rl.outcome_token_advantages(advantages, process, mask, batch["steps"])
 
 
 # -----------------------------------------------------------------------------
@@ -314,10 +372,11 @@ def main(argv=None):
         # 2. rewards: the task scores each trajectory (its outcome); rewards sit on action tokens
         for t in trajs:
             task.score(t, cfg)
-        batch, rewards, process, outcomes, groups, kept, dropped = step_batch(trajs, pad_token_id(tokenizer), cfg)
-        if cfg.train.balance_ranks and world > 1:  # whole groups move between ranks so that each trains on about as many tokens
-            trajs = balance_groups(trajs, group_tokens(batch, kept, groups), cfg.rollout.group_size)
-            batch, rewards, process, outcomes, groups, kept, dropped = step_batch(trajs, pad_token_id(tokenizer), cfg)
+        batch, rewards, process, scores, kept, dropped = step_batch(trajs, pad_token_id(tokenizer), cfg)
+        if cfg.train.balance_ranks and world > 1:  # whole groups move between ranks so that each trains on about as many
+            # tokens; the batch is then made again from the trajectories this rank now holds
+            trajs = balance_groups(trajs, group_tokens(batch, kept, scores["group"]), cfg.rollout.group_size)
+            batch, rewards, process, scores, kept, dropped = step_batch(trajs, pad_token_id(tokenizer), cfg)
         owner, mask = batch["trajectory"], batch["action_mask"]
         t1 = time.perf_counter()
         # 3. old logprobs (and renormalised over the top_p nucleus, as the engine reports them: engine_logprob_diff), unless the
@@ -337,9 +396,9 @@ def main(argv=None):
         if cfg.train.kl_mode == "reward":  # ppo and reinforce_plus_plus(_baseline) only (config.validate): k1 on every action token
             rewards = rewards - cfg.train.kl_coef * rl.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], "k1") * mask
         t2 = time.perf_counter()
-        # 4. advantages (algo): GAE over the critic's values, per action token or per turn (ppo); the outcome against a
-        # baseline (grpo: its group's mean and std; rloo: the mean of its group's others; reinforce: the batch mean), plus the
-        # process rewards still to come; REINFORCE++: discounted token returns, or the summed reward minus its group's mean
+        # 4. advantages (algo): GAE over the critic's values, per action token or per turn (ppo); without a critic, the
+        # outcome against a baseline of the trajectories that count in it (an env_error counts nowhere) plus the process
+        # rewards still to come, or REINFORCE++'s returns (critic_free_advantages)
         if cfg.algo == "ppo":
             values = forward_all(lambda *packed: critic_forward(critic, *packed), batch, kept, cfg.train.micro_batch_tokens, device)
             if cfg.ppo.credit == "token":  # a value per action token
@@ -350,20 +409,8 @@ def main(argv=None):
                 batch["values"] = values * batch["value_mask"]
             if cfg.ppo.whiten_advantages:  # over the action tokens, or the steps, of all ranks
                 advantages = rl.whiten(advantages, mask, batch["value_mask"] if cfg.ppo.whiten_over == "steps" else mask, all_reduce)
-        elif cfg.algo == "reinforce_plus_plus":
-            advantages = rl.whiten(rl.discounted_returns(rewards, mask, batch["steps"], cfg.ppo.gamma), mask, all_reduce=all_reduce)
-        elif cfg.algo == "reinforce_plus_plus_baseline":
-            totals = torch.zeros(len(trajs)).index_add_(0, owner, rewards.sum(-1))  # [B] every reward of the trajectory
-            advantages = rl.whiten(rl.grpo_advantages(totals, groups, scale_by_std=False)[owner][:, None] * mask, mask, all_reduce=all_reduce)
         else:
-            if cfg.algo == "grpo":
-                baselined = rl.grpo_advantages(outcomes, groups, cfg.grpo.eps, cfg.grpo.scale_by_std)
-            elif cfg.algo == "rloo":
-                baselined = rl.rloo_advantages(outcomes, groups)
-            else:  # reinforce
-                total, count = all_reduce([outcomes.sum().item(), len(outcomes)])
-                baselined = outcomes - total / count
-            advantages = rl.outcome_token_advantages(baselined, process, mask, batch["steps"])
+            advantages = critic_free_advantages(batch, rewards, process, scores, cfg)
         batch["advantages"] = advantages
         # 5. PPO epochs over mini-batches of the kept trajectories: critic, then policy (after the critic's warm-up)
         policy_updates, critic_updates = ppo_epochs(models, optimizers, batch, kept, n_mini, policy_moves, on_policy, cfg, step, rank, world, device)

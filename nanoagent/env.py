@@ -13,7 +13,10 @@ AgentEnv, gym's reset/step):
         reward       a float for this step, put on the last token of the turn (like a process
                      reward); the task's score gives the outcome
         done         True when the episode is over (a tool task: the model answered without a call)
-        info         a dict; its "tool_calls" are kept on the trajectory (reward.py, metrics)
+        info         a dict; its "tool_calls" are kept on the trajectory (reward.py, metrics); "read_to_end":
+                     False when the environment acted on a part of the action and did not read its end
+                     (a game reads the first line): a turn cut by the token budget after that part was
+                     judged whole (agent.py: it ends as "done", not "truncated")
 
 Tool calling is one such environment (tools.ToolCalling, made by tool_env below), a game another
 (tasks/textworld.py); the agent loop (agent.py) drives them all the same way. A step runs in a

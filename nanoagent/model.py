@@ -75,13 +75,19 @@ def attention_plan(position_ids):
     [S * K] into the packed sequence, mask [S, 1, Q, K], or None where every segment opens a row:
     plain causal then, as a row's padded keys come after all its queries). Padded queries see one key
     and are dropped. Returns (buckets, out [T]: where each position's output sits among the buckets'
-    outputs laid end to end).
+    outputs laid end to end). A segment that starts at p > 0 with no segment of at least p tokens opened
+    at 0 before it cannot be a shared prompt's continuation: it is refused, not read as one.
     """
     positions, device = position_ids[0], position_ids.device
     starts = (torch.diff(positions, prepend=positions[:1]) != 1).nonzero().flatten().tolist()  # index 0 always
-    by_length, root = {}, 0
+    by_length, root, opened = {}, 0, 0  # the last segment opened at 0: where it starts, its length
     for s, e, p in zip(starts, starts[1:] + [len(positions)], positions[starts].tolist()):
-        root = s if p == 0 else root
+        if p == 0:
+            root, opened = s, e - s
+        elif p > opened:
+            raise ValueError(f"packed positions: the segment at index {s} starts at position {p}, and no segment of at least {p} "
+                             "tokens opened at 0 before it: a row's positions start at 0, a row after a shared prompt goes on from "
+                             "the prompt's (model.packed_layout)")
         by_length.setdefault(((e - s - 1).bit_length(), (p + e - s - 1).bit_length()), []).append((s, e, root, p))
     buckets, out, done = [], [0] * len(positions), 0
     for segments in by_length.values():
@@ -465,6 +471,9 @@ def packed_layout(batch, idx):
     groups = {}
     for i in idx:
         groups.setdefault(batch["prompt"][i].item(), []).append(i)
+        if not torch.equal(batch["position_ids"][i, :batch["lengths"][i]], torch.arange(batch["lengths"][i])):
+            raise ValueError(f"row {i}'s position ids are not 0, 1, 2, ...: the packed forward would read it as the continuation "
+                             "of a shared prompt (attention_plan); a row begins at position 0")
     rows, source_rows, source_cols, places = [], [], [], {}
     for members in groups.values():
         start = len(source_rows)

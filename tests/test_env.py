@@ -154,9 +154,8 @@ def test_a_failing_environment_fails_only_its_own_trajectory(engine, tok):
     for t in trajs:
         assert len(t.step_rewards) == len(t.turn_spans) == (3 if t.sample["how"] == "fine" else 2)
     # the trainer leaves them out of the update: their reward says nothing of the policy
-    batch = collate(trajs, tok.pad_token_id)
-    keep, dropped = train.trained_rows(trajs, torch.zeros(7), torch.zeros_like(batch["action_mask"]), batch["trajectory"],
-                                       torch.arange(7), make_config("tiny", ["algo=reinforce", "train.overlong_filter=false"]))
+    keep, dropped = train.trained_rows(trajs, torch.zeros(7), torch.zeros(7), torch.arange(7),
+                                       make_config("tiny", ["algo=reinforce", "train.overlong_filter=false"]))
     assert keep.tolist() == [1, 0, 0, 0, 0, 0, 1] and dropped["dropped_env_error"] == 5
 
 

@@ -140,3 +140,21 @@ def test_critic_values_are_aligned_and_trainable(tiny_model_dir):
     values.sum().backward()
     assert critic.value_head.weight.grad.abs().sum() > 0
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in critic.backbone.parameters())
+
+
+def test_a_row_whose_positions_do_not_start_at_0_is_refused_where_it_is_read(tiny_model_dir):
+    """The packed forward reads a segment that starts at position p > 0 as a row's own tokens after the
+    last shared prompt (attention_plan); a row that is no such continuation used to be read as one,
+    silently (logprobs off by up to 3.5e-2). Refused in the plan, and where a batch's rows are packed."""
+    model = load_causal_lm(tiny_model_dir)
+    ids = torch.randint(3, model.config.vocab_size, (1, 12))
+    for positions in ([5, 6, 7, 8], [0, 1, 2, 7, 8, 9, 10, 11]):  # no prompt before it; a prompt of 3 tokens, not 7
+        n = len(positions)
+        with pytest.raises(ValueError, match="no segment of at least .* tokens opened at 0 before it"):
+            policy_forward(model, ids[:, :n], torch.tensor([positions]), torch.ones(1, n, dtype=torch.bool).index_fill(1, torch.tensor([0]), False))
+    attention_plan(torch.tensor([[0, 1, 2, 3, 4, 5, 2, 3, 4]]))  # a row's own tokens after a shared prompt of 2: read as one
+    rows, masks = [[5, 6, 7, 8], [5, 6, 9]], [[0, 0, 1, 1], [0, 0, 1]]
+    batch = padded.batch_of(rows, masks)
+    batch["position_ids"][1] += 3
+    with pytest.raises(ValueError, match="row 1's position ids are not 0, 1, 2"):
+        next(micro_steps(batch, [0, 1], 100, CPU))

@@ -1,5 +1,6 @@
 """Shared fixtures: the tiny model, with its own tokenizer and with Qwen2.5's (each built once per session,
-no downloads), offline settings, and the end of every process a test started (tests/procs.py)."""
+no downloads), offline settings, the end of every process a test started (tests/procs.py), and the
+check that no test touches the repository's out/ and data/ (a user's runs and data)."""
 
 import os
 
@@ -21,6 +22,9 @@ import torch.distributed as dist  # noqa: E402
 import procs  # noqa: E402
 from nanoagent.tiny import build_tiny_model  # noqa: E402
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+USER_FOLDERS = [os.path.join(ROOT, "out"), os.path.join(ROOT, "data")]
+
 
 # The tests that run for minutes (the demos, the learning test), longest first. make test's workers
 # (--dist loadgroup) take their first tests in turn and then one whenever they are nearly out of work,
@@ -33,10 +37,46 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: LONGEST.index(item.name) if item.name in LONGEST else len(LONGEST))  # stable: the rest in file order
 
 
+def user_files():
+    """{path: (size, mtime)} of every file and folder under the repository's out/ and data/, where a user's
+    runs and data live (make demo, the README's commands)."""
+    found = {}
+    for top in USER_FOLDERS:
+        for folder, dirs, files in os.walk(top):
+            for name in dirs + files:
+                path = os.path.join(folder, name)
+                try:
+                    stat = os.lstat(path)
+                except FileNotFoundError:  # removed while we walked
+                    continue
+                found[os.path.relpath(path, ROOT)] = (stat.st_size, stat.st_mtime_ns) if name in files else None
+    return found
+
+
 @pytest.fixture(autouse=True)
-def end_started_processes():
+def repository_untouched(request):
+    """
+    A test works in temporary folders: one that leaves anything new, changed or gone under the
+    repository's out/ or data/ fails. There it would read or overwrite a user's runs: a train.py
+    left at the tiny preset's run_dir (out/tiny) resumed the user's run and failed on it ("algo:
+    'ppo' -> 'grpo'"). Under make test's workers the change may be a test's on the other worker;
+    a run of the user's own writing there while the suite runs fails it too.
+    """
+    before = user_files()
+    yield
+    after = user_files()
+    changes = ([f"new {p}" for p in after.keys() - before.keys()] + [f"gone {p}" for p in before.keys() - after.keys()]
+               + [f"changed {p}" for p in after.keys() & before.keys() if after[p] != before[p]])
+    if changes:
+        pytest.fail(f"{request.node.nodeid} touched the repository's out/ or data/ (a user's runs and data; give what it runs a "
+                    f"temporary folder): {', '.join(sorted(changes)[:10])}{' ...' if len(changes) > 10 else ''}", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def end_started_processes(repository_untouched):
     """The processes a test started (procs.start, procs.run), with their trees, end when the test
-    ends, whatever ended it: a failure, an exception, Ctrl-C (pytest tears down before it exits)."""
+    ends, whatever ended it: a failure, an exception, Ctrl-C (pytest tears down before it exits).
+    Before repository_untouched looks at what they left (fixtures end in the reverse order)."""
     yield
     procs.end_all()
 

@@ -165,7 +165,7 @@ def test_fit_prompts_refuses_or_drops_long_prompts():
         fit_prompts(rows, lengths, 5, "drop", "f.jsonl")
 
 
-def test_long_prompts_stop_every_rank_when_the_data_is_loaded(tiny_model_dir):
+def test_long_prompts_stop_every_rank_when_the_data_is_loaded(tiny_model_dir, tmp_path):
     """Under torchrun with 2 ranks, a prompt over data.max_prompt_tokens is refused by every rank
     before any collective: the run ends at once with the count and the first ids, no hang."""
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -176,7 +176,7 @@ def test_long_prompts_stop_every_rank_when_the_data_is_loaded(tiny_model_dir):
     assert min(lengths) < max(lengths)  # the two phrasings
     over = [r["id"] for r, n in zip(rows, lengths) if n > min(lengths)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={procs.free_port()}", "train.py", "--config=tiny",
-           f"model={tiny_model_dir}", f"data.max_prompt_tokens={min(lengths)}"]
+           f"model={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", f"data.max_prompt_tokens={min(lengths)}"]
     proc = procs.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0
     assert f"{len(over)} of {len(rows)} prompts are longer than data.max_prompt_tokens={min(lengths)} (first: {over[0]}," in proc.stderr

@@ -41,13 +41,14 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from nanoagent import rl
 from nanoagent.agent import run_agent
 from nanoagent.checkpoint import check_resume, export_hf, load_latest, resume_checkpoint, save_checkpoint, start_fresh
 from nanoagent.common import MetricsLog, all_reduce, exit_now, init_distributed, print0, seed_everything
-from nanoagent.config import ConfigError, format_config, make_config, reference, save_config, to_dict
+from nanoagent.config import PRESETS, ConfigError, format_config, make_config, reference, save_config, to_dict
 from nanoagent.data import step_prompts
 from nanoagent.engine import SamplingConfig, make_engine, pad_token_id
 from nanoagent.imitation import imitate
@@ -60,7 +61,7 @@ from nanoagent.tiny import resolve_model
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, epilog=reference(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None, help="preset name (tiny, demo, hotpotqa, gsm8k, textworld); default: the built-in defaults")
+    parser.add_argument("--config", default=None, help=f"preset name ({', '.join(PRESETS)}); default: the built-in defaults")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, dotted keys")
     args = parser.parse_args(argv)
     try:
@@ -189,6 +190,17 @@ def loss_units(batch, cfg):
     return batch["step"] if cfg.train.loss_agg == "step_mean_token_mean" else batch["trajectory"][:, None].expand_as(batch["action_mask"])
 
 
+def request_stop(stop, signum):
+    """A SIGTERM's or Ctrl-C's handler: the loop stops at its next safe point (stop["signal"]); a
+    second Ctrl-C raises KeyboardInterrupt, as Ctrl-C does by default."""
+    if signum == signal.SIGINT and stop["signal"] == signal.SIGINT:
+        raise KeyboardInterrupt
+    if not stop["signal"] and dist.get_rank() == 0:  # a raw write: a print here could land inside the loop's own print
+        os.write(sys.stderr.fileno(), f"{signal.Signals(signum).name}: a checkpoint at the next safe point, then stopping"
+                 f"{' (Ctrl-C again to abort)' if signum == signal.SIGINT else ''}\n".encode())
+    stop["signal"] = stop["signal"] or signum
+
+
 def get_lr(step, base_lr, warmup_steps):
     """The learning rate at a training step: a linear warm-up over the first warmup_steps, then constant."""
     return base_lr * min(1.0, (step + 1) / max(1, warmup_steps))
@@ -308,16 +320,11 @@ def main(argv=None):
     if per_rank * world != cfg.rollout.prompts_per_step or cfg.ppo.mini_batch_size % world:
         raise ConfigError(f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) and ppo.mini_batch_size "
                           f"({cfg.ppo.mini_batch_size}) must be multiples of the number of ranks ({world})")
-    # resume=never starts a new run (a used run_dir is moved aside); resume=auto continues from the latest
-    # complete checkpoint, with this command line's config where a key may change (checkpoint.CHANGEABLE)
-    if cfg.resume == "never" and (aside := start_fresh(cfg.run_dir)):
-        print0(f"resume=never: the run in {cfg.run_dir} was moved aside to {aside}")
+    # resume=auto continues from the latest complete checkpoint, with this command line's config where a key may change
+    # (checkpoint.CHANGEABLE); resume=never starts a new run (a used run_dir is moved aside, once the start succeeded)
     checkpoint = resume_checkpoint(cfg.run_dir) if cfg.resume == "auto" else None
     for change in check_resume(checkpoint, cfg) if checkpoint else []:
         print0(f"resume changes {change}")
-    os.makedirs(cfg.run_dir, exist_ok=True)
-    if rank == 0:
-        save_config(cfg, os.path.join(cfg.run_dir, "config.json"))  # the config in effect
     print0(format_config(cfg))
 
     # the task, the models, the rollout engine (colocated in this process)
@@ -328,6 +335,12 @@ def main(argv=None):
     engine = make_engine(cfg.rollout.engine, model_path, tokenizer, cfg.rollout.max_context_tokens, cfg.rollout.dtype,
                          cfg.rollout.gpu_memory_utilization, cfg.rollout.tensor_parallel_size, cfg.seed + rank, cfg.rollout.compile)
     sampling = SamplingConfig(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p)
+    # everything is built: only now is the run folder touched (a start that failed leaves it as it was)
+    if cfg.resume == "never" and (aside := start_fresh(cfg.run_dir)):
+        print0(f"resume=never: the run in {cfg.run_dir} was moved aside to {aside}")
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    if rank == 0:
+        save_config(cfg, os.path.join(cfg.run_dir, "config.json"))  # the config in effect
 
     # resume, or warm start by imitation; then the engine gets the policy's weights
     checkpoint, start_step, _ = load_latest(cfg.run_dir, models, optimizers) if cfg.resume == "auto" else (None, 0, None)
@@ -343,10 +356,12 @@ def main(argv=None):
         metrics = {"step": 0, **evaluate(engine, env, task, val_rows, cfg, rank, world)}
         print0("step    0 | " + " | ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k != "step"))
         log.log(metrics)
-    # A SIGTERM (a preemption: torchrun passes it on, and kills 30 s later) is acted on at the next safe point, after the
-    # rollout or the update, on every rank together: checkpoint, then exit 143 (a scheduler sees a run that did not finish).
-    sigterm = {"received": False}
-    signal.signal(signal.SIGTERM, lambda *_: sigterm.update(received=True))
+    # A SIGTERM (a preemption: torchrun passes it on, and kills 30 s later) or a Ctrl-C (SIGINT; torchrun passes it on too)
+    # is acted on at the next safe point, after the rollout or the update, on every rank together: checkpoint, then exit
+    # 128 + the signal (143, 130: a scheduler sees a run that did not finish). A second Ctrl-C aborts at once.
+    stop = {"signal": 0}
+    signal.signal(signal.SIGTERM, lambda signum, _: request_stop(stop, signum))
+    signal.signal(signal.SIGINT, lambda signum, _: request_stop(stop, signum))
     saved_step = start_step if checkpoint else None
 
     def save(step):
@@ -364,11 +379,11 @@ def main(argv=None):
         trajs = run_agent(engine, env, [p for p in prompts for _ in range(cfg.rollout.group_size)], sampling, cfg.rollout.max_turns,
                           cfg.rollout.max_context_tokens, seed=cfg.seed * 100_003 + step * world + rank)
         engine.sleep()
-        if all_reduce([float(sigterm["received"])])[0]:  # the rollout is dropped; the state this step started from is saved
-            print0(f"SIGTERM during step {step + 1}'s rollout: checkpoint of step {step}, stopping")
+        if (stopping := int(all_reduce([stop["signal"]], "max")[0])):  # the rollout is dropped; the state this step started from is saved
+            print0(f"{signal.Signals(stopping).name} during step {step + 1}'s rollout: checkpoint of step {step}, stopping")
             if saved_step != step:
                 save(step)
-            return 143
+            return 128 + stopping
         # 2. rewards: the task scores each trajectory (its outcome); rewards sit on action tokens
         for t in trajs:
             task.score(t, cfg)
@@ -421,7 +436,7 @@ def main(argv=None):
         engine.load_weights(full_tensors(policy))
         engine.wake(["kv_cache"])
         t4 = time.perf_counter()
-        [stopping] = all_reduce([float(sigterm["received"])])
+        stopping = int(all_reduce([stop["signal"]], "max")[0])
         metrics = step_metrics(step, trajs, dropped, batch, policy_updates, critic_updates, kl, [t0, t1, t2, t3, t4])
         metrics["lr"] = get_lr(step, cfg.train.lr, cfg.train.warmup_steps)
         if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.steps) and not stopping:
@@ -429,12 +444,12 @@ def main(argv=None):
         print0(step_line(metrics, cfg.steps))
         log.log(metrics)
 
-        # checkpoints: every save_every steps, at the end, and after a SIGTERM
+        # checkpoints: every save_every steps, at the end, and after a SIGTERM or a Ctrl-C
         if stopping or step + 1 == cfg.steps or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
             saved_step = save(step + 1)
         if stopping:
-            print0(f"SIGTERM during step {step + 1}: checkpoint of step {step + 1} written, stopping")
-            return 143
+            print0(f"{signal.Signals(stopping).name} during step {step + 1}: checkpoint of step {step + 1} written, stopping")
+            return 128 + stopping
 
     export_dir = os.path.join(cfg.run_dir, "hf")
     export_hf(policy, tokenizer, export_dir, torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32)
@@ -443,4 +458,12 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    exit_now(main())
+    try:
+        code = main()
+    except ConfigError as e:  # a setting that cannot work, found once the run had started (its data, a resume): one line
+        print0(f"train.py: error: {e}")
+        code = 2
+    except KeyboardInterrupt:  # a Ctrl-C before the loop (nothing to save yet), or the second one
+        print0("train.py: interrupted; a later run with resume=auto goes on from the last checkpoint, if there is one")
+        code = 130
+    exit_now(code)

@@ -373,6 +373,10 @@ def validate(cfg):
     need(not (cfg.algo == "ppo" and cfg.rollout.context == "last_k" and cfg.ppo.credit == "token"),
          "rollout.context=last_k with algo=ppo needs ppo.credit=step: each turn is then a sequence of its own, and token-level "
          "GAE cannot carry a turn's value across to the next turn's sequence; step-level GAE links the turns")
+    need(cfg.ppo.ratio == "token" or cfg.train.loss_agg != "token_mean",
+         f"ppo.ratio={cfg.ppo.ratio} with train.loss_agg=token_mean: GSPO's objective is a mean over sequences (or steps) of "
+         "each one's clipped ratio times its advantage, every one weighed the same; a token mean weighs each by its length. "
+         f"Use train.loss_agg={'step_mean_token_mean' if cfg.ppo.ratio == 'step' else 'seq_mean_token_mean'} (verl's fix for GSPO)")
     need((cfg.rollout.prompts_per_step * cfg.rollout.group_size) % cfg.ppo.mini_batch_size == 0,
          f"rollout.prompts_per_step x rollout.group_size ({cfg.rollout.prompts_per_step * cfg.rollout.group_size}) "
          f"must be a multiple of ppo.mini_batch_size ({cfg.ppo.mini_batch_size})")

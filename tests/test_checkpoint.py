@@ -429,6 +429,11 @@ def test_resume_refuses_what_cannot_change_and_lists_what_does(tmp_path, tiny_mo
         check_resume(path, make_config("tiny", ["algo=ppo", "rollout.group_size=2", "ppo.mini_batch_size=8", "train.lr=1e-3"]))
     with pytest.raises(ConfigError, match="step_000002 is at step 2, beyond steps=1: resume with steps >= 2"):
         check_resume(path, make_config("tiny", ["steps=1"]))
+    with open(os.path.join(path, "COMPLETE"), "w") as f:
+        json.dump({"step": 2, "world_size": 2}, f)
+    with pytest.raises(ConfigError, match="written by 2 ranks and this run has 1: .* resume on 2 ranks .*, or start a new run with "
+                                          "resume=never .* or another run_dir"):
+        check_resume(path, make_config("tiny"))
 
 
 def test_resumed_optimizer_takes_this_runs_hyperparameters(tmp_path, tiny_model_dir, world_of_one):

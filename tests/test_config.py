@@ -39,6 +39,7 @@ def test_defaults_presets_and_overrides():
     ("data.bad_prompts=skip", "valid: refuse, drop"),
     ("ppo.credit=turn", "valid: token, step"),
     ("ppo.credit=step", "ppo.credit=step needs algo=ppo"),
+    ("ppo.ratio=sequence", "ppo.ratio=sequence with train.loss_agg=token_mean: GSPO's objective .* Use train.loss_agg=seq_mean_token_mean"),
     ("rollout.context=last_3", "valid: full, last_k"),
     ("steps", "expected key=value"),
 ])

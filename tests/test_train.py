@@ -212,3 +212,57 @@ def test_sigterm_checkpoints_at_the_next_safe_point_and_exits_143(tmp_path):
     out, metrics = train(run_dir, *overrides)
     assert f"resumed from {run_dir / 'checkpoints'}/step_{saved:06d} at step {saved}" in out
     assert [m["step"] for m in metrics] == [1, 2, 3, 4] and (run_dir / "hf").exists()
+
+
+def test_ctrl_c_checkpoints_at_the_next_safe_point_and_a_second_one_aborts(tmp_path):
+    """
+    Ctrl-C (SIGINT) is a SIGTERM's twin: one line at once, a checkpoint at the next safe point, exit 130,
+    no traceback (it used to be a 100-line KeyboardInterrupt traceback and no checkpoint). A second
+    Ctrl-C aborts at once, with one line, and leaves the checkpoints as they were.
+    """
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *QUICK, "rollout.engine=hf", "steps=20", "train.warm_start_steps=0",
+           f"run_dir={run_dir}"]
+
+    def start(name):
+        with open(tmp_path / name, "w") as log:
+            return procs.start(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def wait_for(text, proc, name):
+        while text not in open(tmp_path / name).read():
+            assert proc.poll() is None, open(tmp_path / name).read()[-3000:]
+            time.sleep(0.02)
+
+    proc = start("first")
+    wait_for("step    1/20", proc, "first")
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=600) == 130
+    out = open(tmp_path / "first").read()
+    assert "SIGINT: a checkpoint at the next safe point, then stopping (Ctrl-C again to abort)" in out and "Traceback" not in out, out[-3000:]
+    stopped = re.search(r"SIGINT during step (\d+).*: checkpoint of step (\d+)", out)
+    assert stopped, out[-3000:]
+    saved = f"step_{int(stopped.group(2)):06d}"
+    assert os.listdir(run_dir / "checkpoints") == [saved]
+
+    proc = start("second")  # resumes from it
+    wait_for(f"step {int(stopped.group(2)) + 1:4d}/20", proc, "second")
+    proc.send_signal(signal.SIGINT)
+    wait_for("Ctrl-C again to abort", proc, "second")
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    out = open(tmp_path / "second").read()
+    assert "train.py: interrupted" in out and "Traceback" not in out and "during step" not in out, out[-3000:]
+    assert os.listdir(run_dir / "checkpoints") == [saved]
+
+
+def test_a_start_that_fails_leaves_the_run_folder_as_it_was(tmp_path):
+    """resume=never moves a used run_dir aside and writes config.json only once everything is built:
+    a start that fails (here: its prompt file is missing) used to leave a <run_dir>.old-* folder per try."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text("{}")
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config=tiny", "data.task=gsm8k", f"data.train_path={tmp_path}/missing.parquet",
+           f"run_dir={run_dir}", "resume=never"]
+    proc = procs.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0 and "missing.parquet" in proc.stdout + proc.stderr
+    assert sorted(os.listdir(tmp_path)) == ["run"] and os.listdir(run_dir) == ["config.json"] and (run_dir / "config.json").read_text() == "{}"

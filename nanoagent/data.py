@@ -5,6 +5,9 @@ takes them in. One row per task instance: `id`, `messages` (the chat prompt, a l
 Both parquet (what prepare_data.py writes) and JSONL are read. A row that cannot be trained on
 (check_prompts) is found when the file is loaded, not when its step comes: the data order is a
 function of the step, so a row that crashed a step mid-run would crash every resume there again.
+A file that a row names by a path relative to its prompt file's folder (FILE_FIELDS: a TextWorld
+game) is found there whichever code read the rows (a run's train or val file, rollout.py --data)
+and wherever the folder was moved: load_prompts makes the path absolute.
 """
 
 import json
@@ -17,6 +20,7 @@ import pyarrow.parquet as pq
 from nanoagent.common import print0
 
 ROLES = ("system", "user", "assistant", "tool")
+FILE_FIELDS = ("game",)  # row fields that name a file relative to the prompt file's folder (nanoagent/tasks/textworld.py)
 
 
 def load_prompts(path, limit=0, bad_prompts="refuse"):
@@ -36,9 +40,15 @@ def load_prompts(path, limit=0, bad_prompts="refuse"):
         raise ValueError(f"prompt file {path!r}: expected .parquet or .jsonl")
     if not rows:
         raise ValueError(f"prompt file {path!r} has no rows; write it again with prepare_data.py")
+    prompt_dir = os.path.dirname(os.path.abspath(path))
     for row in rows:
-        if isinstance(row, dict) and isinstance(row.get("messages"), str):
+        if not isinstance(row, dict):
+            continue  # check_prompts names it
+        if isinstance(row.get("messages"), str):
             row["messages"] = _json_or_text(row["messages"])
+        for field in FILE_FIELDS:
+            if isinstance(row.get(field), str):
+                row[field] = os.path.join(prompt_dir, row[field])  # an absolute path stays as it is
     rows = check_prompts(rows, bad_prompts, path)
     return rows[:limit] if limit else rows
 

@@ -101,14 +101,16 @@ def leaves_the_game(cmd):
 
 
 class Game:
-    """One game per trajectory: reset(row) starts the row's game, step(action) sends a command."""
+    """One game per trajectory: reset(row) starts the row's game, step(action) sends a command.
+    games_dir: where the relative game paths of rows made in code (make_one's) start from; a row
+    read from a prompt file names its game by an absolute path (nanoagent/data.py: FILE_FIELDS)."""
 
-    def __init__(self, data_dir):
-        self.data_dir = data_dir
+    def __init__(self, games_dir="."):
+        self.games_dir = games_dir
         self.env = None
 
     def reset(self, row):
-        self.env = textworld.start(game_path(row, self.data_dir), request_infos=INFOS)
+        self.env = textworld.start(game_path(row, self.games_dir), request_infos=INFOS)
         state = self.env.reset()
         self.score, self.max_score, self.won, self.moves = 0, max(state.max_score, 1), False, 0
         self.length = self.remaining = max(len(state.policy_commands), 1)  # the game's plan to the goal, from the start and from here
@@ -129,11 +131,12 @@ class Game:
         return clean(state.feedback), progress, done, {"score": self.score, "won": self.won}
 
 
-def game_path(row, data_dir):
-    """A row's game file, as written or relative to the folder of the prompt files, checked: jericho's
-    interpreter ends the whole process on a story file it cannot read, so one that is missing,
-    truncated or corrupt is refused here, with its row's id."""
-    path = row["game"] if os.path.isabs(row["game"]) else os.path.join(data_dir, row["game"])
+def game_path(row, games_dir="."):
+    """A row's game file, checked: as written when absolute (a row read from a prompt file: the game
+    beside that file, nanoagent/data.py: FILE_FIELDS), else relative to games_dir (a row made in code).
+    jericho's interpreter ends the whole process on a story file it cannot read, so one that is
+    missing, truncated or corrupt is refused here, with its row's id."""
+    path = os.path.join(games_dir, row["game"])  # an absolute row["game"] stays as it is
     if not os.path.isfile(path):
         raise FileNotFoundError(f"game file {path!r} of {row.get('id')!r} does not exist (generate the games with prepare_data.py --task=textworld)")
     problem = story_problem(path)
@@ -159,15 +162,13 @@ def story_problem(path):
 
 
 def environment(cfg):
-    data_dir = os.path.dirname(os.path.abspath(cfg.data.val_path))
-    return lambda: Game(data_dir)
+    return Game
 
 
 def prompts(cfg, split):
     rows = load_prompts(cfg.data.train_path if split == "train" else cfg.data.val_path, bad_prompts=cfg.data.bad_prompts)
-    data_dir = os.path.dirname(os.path.abspath(cfg.data.val_path))
     for row in rows:
-        game_path(row, data_dir)  # a missing game is refused now, not mid-run
+        game_path(row)  # a missing game is refused now, not mid-run
     return rows
 
 

@@ -23,7 +23,7 @@ import re
 import signal
 import sys
 
-from nanoagent.config import ConfigError, apply_overrides, from_dict, make_config, reference
+from nanoagent.config import ConfigError, load_run_config, reference
 from nanoagent.tasks import load_task, task_env
 
 THINK_TAG_RE = re.compile(r"</?think>")
@@ -43,23 +43,6 @@ def fail(message):
     """A clear one-line error and a non-zero exit instead of a traceback."""
     print(f"chat.py: {message}", file=sys.stderr)
     sys.exit(2)
-
-
-def load_config(model, preset, overrides):
-    """(config, where it came from): the named preset, else the config.json a training run wrote
-    next to its <run_dir>/hf export, else the defaults; then the command line's overrides."""
-    run_config = os.path.join(os.path.dirname(os.path.normpath(model)), "config.json")
-    try:
-        if preset is not None:
-            return make_config(preset, overrides), f"preset {preset}"
-        if os.path.isdir(model) and os.path.isfile(run_config):
-            with open(run_config) as f:
-                saved = json.load(f)
-            if isinstance(saved, dict) and "data" in saved and "rollout" in saved:  # a nanoagent run's, not any config.json
-                return apply_overrides(from_dict(saved), overrides), run_config
-        return make_config(None, overrides), "defaults"
-    except (ConfigError, json.JSONDecodeError) as e:
-        fail(f"config: {e}")
 
 
 def printable(text):
@@ -155,7 +138,10 @@ def main(argv=None):
         fail(f"--model {args.model!r} is a folder without a model (no config.json); a run exports to <run_dir>/hf")
     if not os.path.exists(args.model) and (os.path.isabs(args.model) or args.model.startswith(".") or args.model.count("/") > 1):
         fail(f"--model {args.model!r} does not exist (and is a path, not a hub id); a run exports to <run_dir>/hf")
-    cfg, config_source = load_config(args.model, args.config, args.overrides + ([f"data.index_dir={args.index}"] if args.index else []))
+    try:
+        cfg, config_source = load_run_config(args.model, args.config, args.overrides + ([f"data.index_dir={args.index}"] if args.index else []))
+    except ConfigError as e:
+        fail(f"config: {e}")
     try:
         task = load_task(cfg.data.task)
     except (OSError, ValueError) as e:

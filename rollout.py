@@ -4,12 +4,15 @@ and print the mean reward and the task's scores (EM / substring EM / F1 for the 
 per trajectory, response tokens, finish reasons and tokens/s.
 
     python rollout.py --model out/run/hf --data data/hotpotqa/val.parquet --index data/hotpotqa/index --greedy
-    python rollout.py --model out/tiny/hf --config tiny --greedy          # the task's held-out prompts
+    python rollout.py --model out/tiny/hf --greedy                         # the task's held-out prompts
     python rollout.py --model tiny --data prompts.jsonl --tools calculator --config tiny rollout.max_turns=2
 
 The task (data.task), its prompts, tools and scoring, and the sampling, budgets and reward recipe
-come from the config (--config preset + key=value overrides), the same settings training uses:
-rollout.engine, rollout.temperature, rollout.max_turns, reward.metric, ...
+come from a config: the run's own, which training saved beside its export (<run_dir>/config.json
+next to <run_dir>/hf), so that a trained model is evaluated with the settings it was trained with;
+a preset with --config; the defaults for a model that is no run's export. key=value overrides go
+on top, as in train.py (rollout.engine, rollout.max_turns, rollout.search_top_k, reward.metric, ...).
+The first line printed says which config it is.
 """
 
 import argparse
@@ -23,7 +26,7 @@ from transformers import AutoTokenizer
 
 from nanoagent.agent import rollout_metrics, run_agent
 from nanoagent.common import exit_now
-from nanoagent.config import ConfigError, make_config, reference
+from nanoagent.config import ConfigError, load_run_config, reference
 from nanoagent.data import check_prompts, load_prompts
 from nanoagent.engine import SamplingConfig, make_engine
 from nanoagent.tasks import load_task, task_env
@@ -42,18 +45,20 @@ def parse_args(argv):
     parser.add_argument("--limit", type=int, default=0, help="roll out only the first N prompts (0: all)")
     parser.add_argument("--batch-size", type=int, default=64, help="prompts rolled out together")
     parser.add_argument("--greedy", action="store_true", help="greedy decoding (evaluation)")
-    parser.add_argument("--config", default=None, help="preset whose rollout settings to use")
+    parser.add_argument("--config", default=None, help="preset to use (default: the run's config.json, else the defaults)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. rollout.max_turns=4")
     args = parser.parse_args(argv)
     try:
-        cfg = make_config(args.config, args.overrides + [f"model={args.model}"] + ([f"data.index_dir={args.index}"] if args.index else []))
+        cfg, source = load_run_config(args.model, args.config, args.overrides + [f"model={args.model}"]
+                                      + ([f"data.index_dir={args.index}"] if args.index else []))
     except ConfigError as e:
         parser.error(str(e))
-    return args, cfg
+    return args, cfg, source
 
 
 def main(argv=None):
-    args, cfg = parse_args(sys.argv[1:] if argv is None else argv)
+    args, cfg, source = parse_args(sys.argv[1:] if argv is None else argv)
+    print(f"rollout.py: config {source}" + (f", with {' '.join(args.overrides)}" if args.overrides else ""))
     task = load_task(cfg.data.task)
     if args.data:
         samples = load_prompts(args.data, args.limit, cfg.data.bad_prompts)

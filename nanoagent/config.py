@@ -412,6 +412,31 @@ def save_config(cfg, path):
         json.dump(to_dict(cfg), f, indent=2)
 
 
+def load_run_config(model, preset=None, overrides=()):
+    """
+    (config, where it came from) for a script that runs a trained model (rollout.py, chat.py): the
+    named preset, else the config.json a training run saved next to its <run_dir>/hf export (the
+    task, tools, budgets and sampling the model was trained with: the defaults would evaluate it
+    under other ones, silently), else the defaults; then the command line's overrides.
+    """
+    if preset is not None:
+        return make_config(preset, overrides), f"preset {preset}"
+    run_config = os.path.join(os.path.dirname(os.path.normpath(model)), "config.json")
+    if os.path.isdir(model) and os.path.isfile(run_config):
+        with open(run_config) as f:
+            try:
+                saved = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{run_config}: not JSON ({e}); pass --config NAME to use a preset instead") from None
+        if isinstance(saved, dict) and "data" in saved and "rollout" in saved:  # a nanoagent run's, not any config.json
+            try:
+                cfg = from_dict(saved)
+            except ConfigError as e:
+                raise ConfigError(f"{run_config}: {e}") from None
+            return apply_overrides(cfg, overrides), run_config
+    return make_config(None, overrides), "defaults"
+
+
 def reference():
     """The config reference as text: every key, its type, default and help (for --help)."""
     lines = []

@@ -134,10 +134,6 @@ def main(argv=None):
         parser.error("--temperature must be >= 0")
     if args.question is not None and not args.question.strip():  # the model would answer nothing with whatever it makes up
         fail("--question is empty; ask a question, or leave --question out to chat")
-    if os.path.isdir(args.model) and not os.path.isfile(os.path.join(args.model, "config.json")):
-        fail(f"--model {args.model!r} is a folder without a model (no config.json); a run exports to <run_dir>/hf")
-    if not os.path.exists(args.model) and (os.path.isabs(args.model) or args.model.startswith(".") or args.model.count("/") > 1):
-        fail(f"--model {args.model!r} does not exist (and is a path, not a hub id); a run exports to <run_dir>/hf")
     try:
         cfg, config_source = load_run_config(args.model, args.config, args.overrides + ([f"data.index_dir={args.index}"] if args.index else []))
     except ConfigError as e:
@@ -156,7 +152,7 @@ def main(argv=None):
     from nanoagent.tiny import resolve_model
     from nanoagent.tools import make_tools
 
-    model_path = resolve_model(args.model)
+    model_path = resolve_model(args.model, "chat.py")
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         max_positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)

@@ -59,12 +59,12 @@ def parse_args(argv):
 def main(argv=None):
     args, cfg, source = parse_args(sys.argv[1:] if argv is None else argv)
     print(f"rollout.py: config {source}" + (f", with {' '.join(args.overrides)}" if args.overrides else ""))
+    model_path = resolve_model(cfg.model, "rollout.py")
     task = load_task(cfg.data.task)
     if args.data:
         samples = load_prompts(args.data, args.limit, cfg.data.bad_prompts)
     else:
         samples = check_prompts(task.prompts(cfg, "val"), cfg.data.bad_prompts, f"{cfg.data.task} val prompts")[:args.limit or None]
-    model_path = resolve_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.chat_template is None:
         sys.exit(f"rollout.py: {model_path} has no chat template; nanoagent renders prompts and tool results with it")

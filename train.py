@@ -313,7 +313,7 @@ def update_critic(critic, optimizer, batch, rows, cfg, world, device):
 
 def main(argv=None):
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
-    model_path = resolve_model(cfg.model)  # before the process group: see resolve_model
+    model_path = resolve_model(cfg.model, "train.py")  # before the process group: see resolve_model
     rank, world, device = init_distributed()
     seed_everything(cfg.seed + rank)
     per_rank = cfg.rollout.prompts_per_step // world

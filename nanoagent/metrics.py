@@ -58,14 +58,43 @@ def step_metrics(step, trajs, dropped, batch, policy_updates, critic_updates, kl
     return metrics
 
 
-def step_line(metrics, steps):
-    """The one line printed per step."""
-    m = metrics
-    return (f"step {m['step']:4d}/{steps} | reward {m['reward']:.3f} | turns {m['turns']:.2f} | resp {m['response_tokens']:.0f} | "
-            f"kl {m.get('kl', m.get('approx_kl', 0)):.4f} | clip {m.get('clipfrac', 0):.3f} | ent {m.get('entropy', 0):.3f} | "
-            f"gnorm {m.get('grad_norm', 0):.3f} | skip {m.get('skipped', 0):.2f} | drop {m['dropped_uniform']:.2f}+{m['dropped_overlong']:.2f} | "
+def duration(seconds):
+    """A wall time as one reads it: 42s, 3m05s, 2h07m."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def step_line(metrics, cfg, first_step, elapsed):
+    """
+    The one line printed per step. The answer score is the task's (reward.metric: em by default) where
+    its trajectories have one. Each KL says what it is of: kl_ref, the policy's to the reference (k1 over
+    the trained tokens), when there is a reference (train.kl_mode); else kl_old, the update's approximate
+    KL to the policy that sampled (k3). first_step: the step this process started at (a resumed run's);
+    elapsed: seconds since its first step began, whose mean pace gives the ETA.
+    """
+    m, answer = metrics, cfg.reward.metric
+    score = f" | {answer} {m[answer]:.3f}" if answer in m else ""
+    # the update's statistics where there was one: none in the critic's warm-up, nor when every trajectory was left out
+    update = "no policy update"
+    if m["policy_updates"]:
+        update = f"clip {m['clipfrac']:.3f} | ent {m['entropy']:.3f} | gnorm {m['grad_norm']:.3f} | skip {m['skipped']:.2f}"
+    if "kl" in m:
+        kl = f"kl_ref {m['kl']:.4f} | "
+    elif m["policy_updates"]:
+        kl = f"kl_old {m['approx_kl']:.4f} | "
+    else:
+        kl = ""
+    eta = elapsed / (m["step"] - first_step) * (cfg.steps - m["step"])
+    evaluation = f" | eval reward {m['eval/reward']:.3f}" if "eval/reward" in m else ""
+    evaluation += f" {answer} {m['eval/' + answer]:.3f}" if "eval/" + answer in m else ""
+    return (f"step {m['step']:4d}/{cfg.steps} | reward {m['reward']:.3f}{score} | turns {m['turns']:.2f} | resp {m['response_tokens']:.0f} | "
+            f"{kl}{update} | drop {m['dropped_uniform']:.2f}+{m['dropped_overlong']:.2f} | "
             f"rollout {m['time/rollout']:.1f}s fwd {m['time/forward']:.1f}s upd {m['time/update']:.1f}s push {m['time/push']:.2f}s | "
-            f"{m['tokens_per_s']:.0f} tok/s" + (f" | eval {m['eval/reward']:.3f}" if "eval/reward" in m else ""))
+            f"{m['tokens_per_s']:.0f} tok/s | elapsed {duration(elapsed)} eta {duration(eta)}{evaluation}")
 
 
 def evaluate(engine, env, task, rows, cfg, rank, world):

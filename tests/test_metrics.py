@@ -2,7 +2,8 @@
 The step's metrics (nanoagent/metrics.py) over 2 gloo ranks under torchrun: a metric says only what
 was measured. When DAPO leaves every trajectory of a step out, no engine logprob was compared with
 the trainer's, and engine_logprob_diff must not read as a perfect 0; rank_imbalance compares the
-ranks' trainer tokens.
+ranks' trainer tokens. The step line says what the README says it does: the task's answer score,
+each KL by what it is of, elapsed time and an ETA.
 """
 
 import json
@@ -10,10 +11,14 @@ import os
 import sys
 
 import pytest
+import torch
 
 import procs
+from nanoagent.agent import Trajectory
+from nanoagent.config import make_config
+from nanoagent.metrics import step_line, step_metrics
+from nanoagent.tasks import arithmetic
 
-pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # each rank, for each case: one trajectory of two action tokens; it trains them (the trainer's
@@ -46,6 +51,7 @@ CASES = [([1, 1], 0.2), ([1, 0], 0.1), ([0, 1], 0.2), ([0, 0], None)]  # (which 
 IMBALANCE = {2: 1.0, 1: 2.0, 0: 0.0}  # trained trajectories -> the busiest rank's trainer tokens over the mean rank's
 
 
+@pytest.mark.slow
 def test_engine_logprob_diff_only_where_a_rank_compared(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
@@ -63,3 +69,50 @@ def test_engine_logprob_diff_only_where_a_rank_compared(tmp_path):
             assert "engine_logprob_diff" not in metrics, trained
         else:  # the ranks that compared; a rank that did not leaves the max alone
             assert metrics["engine_logprob_diff"] == pytest.approx(engine_diff, abs=1e-6), trained
+
+
+def scored_step(cfg, answers, kl, updated=True):
+    """step_metrics of arithmetic trajectories answering `answers` to 12*7 (one action token each, trained), scored by
+    the task as train.py scores them, after one policy update or (updated=False: the critic's warm-up) none; kl: the k1
+    to a reference per trained token, or None."""
+    trajs = []
+    for answer in answers:
+        sample = {"id": answer, "messages": [{"role": "user", "content": "Compute 12*7."}], "answers": ["84"]}
+        text = f"<answer>{answer}</answer>"
+        t = Trajectory(sample=sample, prompt_ids=[1, 2], messages=[*sample["messages"], {"role": "assistant", "content": text}],
+                       response_ids=[3], action_mask=[1], rollout_logprobs=[-1.0], turn_spans=[(0, 1)], final_text=text, finish_reason="done")
+        arithmetic.score(t, cfg)
+        trajs.append(t)
+    mask = torch.tensor([[0.0, 0.0, 1.0]] * len(trajs))
+    batch = {"action_mask": mask, "rollout_logprobs": -mask, "nucleus_logprobs": -mask, "lengths": [3] * len(trajs),
+             "prompt": torch.arange(len(trajs)), "prompt_length": torch.tensor([2] * len(trajs))}
+    update = ({"pg_loss": 0.1, "clipfrac": 0.0, "approx_kl": 0.0123, "entropy": 0.9, "kl_loss": 0.0}, {"grad_norm": 0.5, "skipped": 0.0})
+    return step_metrics(4, trajs, {"dropped_uniform": 0, "dropped_overlong": 0, "dropped_env_error": 0}, batch, [update] if updated else [], [],
+                        None if kl is None else kl * mask, [0.0, 1.0, 2.0, 3.0, 4.0])
+
+
+def test_step_line_shows_the_answer_score_each_kl_by_name_elapsed_and_eta(process_group):
+    cfg = make_config("tiny")  # reward.metric=em, steps=20, no reference (train.kl_mode=none)
+    metrics = scored_step(cfg, ["84", "84", "7", "84"], kl=None)
+    assert metrics["em"] == 0.75 and metrics["f1"] == 0.75  # every score the task gives is a metric of the step
+    line = step_line(metrics, cfg, 0, 100.0)  # step 5 of 20, the first 5 in 100 s: 15 to go at 20 s each
+    assert "| em 0.750 |" in line and "| kl_old 0.0123 | clip 0.000 | ent 0.900 | gnorm 0.500 | skip 0.00 |" in line and "kl_ref" not in line
+    assert line.endswith("| elapsed 1m40s eta 5m00s")
+    metrics.update({"eval/reward": 0.5, "eval/em": 0.5, "eval/f1": 0.625})
+    assert step_line(metrics, cfg, 0, 100.0).endswith("| elapsed 1m40s eta 5m00s | eval reward 0.500 em 0.500")
+
+    # a reference (train.kl_mode=loss): its KL, not the update's; the score reward.metric names; a resumed run's pace
+    cfg = make_config("tiny", ["train.kl_mode=loss", "reward.metric=f1", "steps=4000"])
+    metrics = scored_step(cfg, ["84", "7"], kl=0.02)
+    line = step_line(metrics, cfg, 3, 40.0)  # resumed at step 3: 2 steps in 40 s, 3,995 to go
+    assert "| f1 0.500 |" in line and "| em " not in line and "| kl_ref 0.0200 |" in line and "kl_old" not in line
+    assert line.endswith("| elapsed 40s eta 22h11m")
+
+    # a task whose trajectories have no answer score (TextWorld's won, GSM8K's accuracy): none shown
+    del metrics["f1"]
+    assert "f1" not in step_line(metrics, cfg, 3, 40.0)
+
+    # no policy update (the critic's warm-up): no update statistics read as zeros
+    cfg = make_config("tiny", ["algo=ppo", "ppo.critic_warmup_steps=10"])
+    line = step_line(scored_step(cfg, ["84", "7"], kl=None, updated=False), cfg, 0, 10.0)
+    assert "| resp 1 | no policy update | drop 0.00+0.00 |" in line and "kl_" not in line

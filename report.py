@@ -1,6 +1,7 @@
 """
 Write report.md for a training run: the config, held-out metrics before and after RL, the training
-curves as PNG, and (for make speedrun) the wall time of each stage and the GPU-hours.
+curves as PNG (the reward; loss, KL, entropy and gradient norm; turns and response length), and (for
+make speedrun) the wall time of each stage and the GPU-hours.
 
     python report.py --run=out/demo/run                                  # -> out/demo/run/report.md
     python report.py --run=out/speedrun/run --eval=out/speedrun/val.jsonl --stages=out/speedrun/stages.tsv \
@@ -57,9 +58,20 @@ def eval_summary(path):
     return summary, len(trajs)
 
 
+# what the update did, beside the reward (what TRL and verl users look at first): panel title -> (metric, label) of each
+# curve; a curve the run did not log (no critic, no reference) is left out
+TRAINING_PANELS = {
+    "Loss": [("pg_loss", "policy"), ("vf_loss", "value (critic)")],
+    "KL": [("kl", "to the reference (k1)"), ("approx_kl", "to the policy that sampled (approx.)")],
+    "Entropy": [("entropy", "policy, action tokens")],
+    "Gradient norm": [("grad_norm", "policy"), ("vf_grad_norm", "critic")],
+}
+
+
 def plot(rows, out_dir):
-    """Two PNGs: the reward curve (training samples and held-out greedy evaluation), and turns and
-    response length per step. Returns their file names."""
+    """Three PNGs: the reward curve (training samples, and the held-out greedy evaluation when the run
+    had one); the loss, KL, entropy and gradient norm per step; turns and response length per step.
+    Returns their file names."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -68,12 +80,27 @@ def plot(rows, out_dir):
     evals = [r for r in rows if "eval/reward" in r]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([r["step"] for r in train], [r["reward"] for r in train], label="training rollouts (sampled)", alpha=0.8)
-    ax.plot([r["step"] for r in evals], [r["eval/reward"] for r in evals], "o-", label="held-out (greedy)")
-    ax.set(xlabel="step", ylabel="reward", title="Reward")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval/reward"] for r in evals], "o-", label="held-out (greedy)")
+        ax.legend()
+    ax.set(xlabel="step", ylabel="reward", title="Reward" if evals else "Reward of the training rollouts (no held-out evaluation)")
     ax.grid(alpha=0.3)
-    ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "reward.png"), dpi=120)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(2, 2, figsize=(9, 6))
+    for ax, (title, curves) in zip(axes.flat, TRAINING_PANELS.items()):
+        for key, label in curves:
+            logged = [r for r in train if key in r]
+            if logged:
+                ax.plot([r["step"] for r in logged], [r[key] for r in logged], label=label)
+        ax.set(xlabel="step", title=title)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "training.png"), dpi=120)
     plt.close(fig)
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
@@ -86,7 +113,7 @@ def plot(rows, out_dir):
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "turns_length.png"), dpi=120)
     plt.close(fig)
-    return ["reward.png", "turns_length.png"]
+    return ["reward.png", "training.png", "turns_length.png"]
 
 
 def write_report(run_dir, out_path, eval_path=None, stages=(), gpus=0):
@@ -111,13 +138,16 @@ def write_report(run_dir, out_path, eval_path=None, stages=(), gpus=0):
         lines += ["", f"reward = the task's reward recipe; {QA_LEGEND if 'eval/em' in keys else ''}the other scores are the task's "
                   "(its score()); turns and tool_calls per prompt; TYPE/...: the prompts of one type.", ""]
     else:
-        lines += ["No evaluation was logged (eval.every=0).", ""]
+        lines += [f"No held-out evaluation was logged (eval.every={config['eval']['every']}): the curves below are of the sampled "
+                  "training rollouts.", ""]
 
     if eval_path:
         summary, n = eval_summary(eval_path)
         lines += [f"## Validation set: {n} questions (rollout.py, greedy)", "", "| metric | value |", "|---|---|"]
         lines += [f"| {k} | {v:.3f} |" for k, v in summary.items()] + [""]
-    lines += ["## Training curves", ""] + [f"![{name}]({name})" for name in images] + [""]
+    lines += ["## Training curves", "", "Per step: the reward; the update's losses, KL (to the reference model when the run has "
+              "one, train.kl_mode; and the update's approximate KL to the policy that sampled), the policy's entropy and the "
+              "gradient norms before clipping; turns and response tokens per trajectory.", ""] + [f"![{name}]({name})" for name in images] + [""]
     if train:
         last = train[-1]
         step_times = sorted(r["time/step"] for r in train)

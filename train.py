@@ -370,6 +370,7 @@ def main(argv=None):
         print0(f"checkpoint: {path}")
         return step
 
+    loop_start = time.perf_counter()  # for the step line's elapsed time and ETA
     for step in range(start_step, cfg.steps):
         t0 = time.perf_counter()
         set_hyperparameters(optimizers, step, cfg)
@@ -441,7 +442,7 @@ def main(argv=None):
         metrics["lr"] = get_lr(step, cfg.train.lr, cfg.train.warmup_steps)
         if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.steps) and not stopping:
             metrics.update(evaluate(engine, env, task, val_rows, cfg, rank, world))
-        print0(step_line(metrics, cfg.steps))
+        print0(step_line(metrics, cfg, start_step, time.perf_counter() - loop_start))
         log.log(metrics)
 
         # checkpoints: every save_every steps, at the end, and after a SIGTERM or a Ctrl-C

@@ -212,13 +212,14 @@ def test_textworld_commands_and_text(game_rows, tmp_path, monkeypatch):
     assert game.reset(rows_[1]) == rows_[1]["messages"]
     text = rows_[1]["messages"][1]["content"]
     assert "$$" not in text and "-= " in text and not any(line.startswith(">") for line in text.split("\n"))
-    assert game.step("dance with the mop") == ("That's not a verb I recognise.", 0.0, False, {"score": 0, "won": False})
+    assert game.step("dance with the mop") == ("That's not a verb I recognise.", 0.0, False, {"score": 0, "won": False, "read_to_end": True})
+    assert game.step("dance with the mop\nand then")[3]["read_to_end"] is False  # a cut after the command's line is not read
     # the step reward is the progress along the game's plan (go east, go south, take coin): south of the first room
     # is a dead end off the chain (a hard game's); the coin is not in the second room
     assert rows_[1]["walkthrough"] == ["go east", "go south", "take coin"]
     assert [game.step(c)[1] for c in ["go south", "go north", "go east", "take coin"]] == [-1 / 3, 1 / 3, 1 / 3, 0.0]
-    assert (game.remaining, game.length, game.moves) == (2, 3, 5)
-    assert game.step("restart")[0] == "'restart' is not available in this game." and game.moves == 5
+    assert (game.remaining, game.length, game.moves) == (2, 3, 6)
+    assert game.step("restart")[0] == "'restart' is not available in this game." and game.moves == 6
     assert game.step("")[0].startswith("Write one command")
     assert textworld.command("> Open the box\nbecause I can") == "Open the box"
     assert textworld.command("open\x00 box\x1b") == "open box" and textworld.command("go\u202e east") == "go east"

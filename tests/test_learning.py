@@ -7,16 +7,26 @@ on one of the two question phrasings they mostly guess without the tool (and are
 warm-started greedy policy answers those questions wrong (asserted: it calls the calculator on about
 half the held-out questions, and gets at most 0.7 of them right). Then every estimator the trainer
 has (ESTIMATORS), each from the same warm-started export and with the same RL budget, must raise the
-held-out greedy reward by >= 0.2 absolute, at one of the evaluations after steps 2 and 4: on 32
-held-out questions of two phrasings, greedy answers flip a whole phrasing at once, and a run that
-learns can be caught at a step where they flipped back (StepPO once: 1.00, 0.91, 1.00 at steps 2, 4, 6).
-The premise is built in: 300 imitation steps of 64 demonstrations at 1e-3, from a demonstrator that
-calls the calculator on 90% of one phrasing (arithmetic.demonstration). With 400 steps of 16 at 3e-3
-and 60%, the warm start's held-out reward was 0.00-0.50 across seeds 0-2 and CPU kernel paths (the
-first token's choice close to even, copying learned or not), and RL from 0.00 learned on one CPU and
-not on another. Every run is on one thread (the rounding depends on the thread count, and the premise
-was checked on one), the RL runs two at a time: on 2 cores that is ~1.6x the throughput of one run on
-two threads, and under make test's two workers no run's threads wait on a core the other worker holds.
+held-out greedy reward by >= 0.2 absolute at one of the evaluations after steps 2, 4 and 6, and must
+not end below where it started: on 32 held-out questions of two phrasings, greedy answers flip a
+whole phrasing at once.
+
+The premise is built in, not left to the machine. The warm start: 300 imitation steps of 64
+demonstrations at 1e-3, from a demonstrator that calls the calculator on 90% of one phrasing
+(arithmetic.demonstration), left the held-out reward at 0.50 on every CPU kernel path tried. The RL
+budget: sampled rollouts differ from one machine to the next (the engine batches whichever requests
+are running, so the rounding, and with it a sampled token now and then, depends on the machine's
+load), so the budget must hold for any of them, not for one lucky sample. At train.lr=3e-4 it did
+not: a fresh AdamW moves every weight by about the learning rate on its first steps, whatever its
+gradient, and the estimators that average over a sequence or a step (GSPO, StepPO) moved the policy
+~10x further per update than the token means (approx KL 0.02-0.06 against 0.001-0.005), rose, then
+collapsed on an AMD CPU (StepPO: held-out 0.50 -> 0.66 -> 0.00, entropy 0.18 -> 1.07, the tool calls
+broken). At 1e-4 every estimator reached 1.00 by step 4 in every run tried (AMD, seeds 0 and 1 under avx2,
+seed 0 natively, StepPO seeds 1 and 2 too), the lowest evaluation after that 0.62 (StepPO, native,
+step 6); the README has the curves of the test itself on each path and beside a busy process. Every run is on one thread (the rounding
+depends on the thread count), the RL runs two at a time: on 2 cores that is ~1.6x the throughput of
+one run on two threads, and under make test's two workers no run's threads wait on a core the other
+worker holds.
 """
 
 import json
@@ -32,7 +42,7 @@ import procs
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARM_START = ["train.warm_start_steps=300", "train.warm_start_lr=1e-3", "ppo.mini_batch_size=64", "rollout.prompts_per_step=16"]
-RL = ["steps=4", "eval.every=2", "train.lr=3e-4", "ppo.critic_lr=1e-3"]
+RL = ["steps=6", "eval.every=2", "train.lr=1e-4", "ppo.critic_lr=1e-3"]
 ESTIMATORS = {  # name: overrides (README: "How the code maps to the Agent-R1 formulation")
     "grpo": ["algo=grpo"],
     "gspo": ["algo=grpo", "ppo.ratio=sequence", "train.loss_agg=seq_mean_token_mean"],
@@ -73,5 +83,6 @@ def test_every_estimator_improves_on_the_warm_start(tmp_path):
             assert evals[0] == (0, pytest.approx(start_reward, abs=1e-6))  # RL starts where the warm start ended
     print(json.dumps(curves))
     for name, curve in curves.items():
-        best = max(reward for step, reward in curve["eval_reward"] if step > 0)
-        assert best >= start_reward + 0.2, f"{name}: held-out greedy reward {start_reward:.2f} -> {curve['eval_reward'][1:]}"
+        rewards = [reward for step, reward in curve["eval_reward"] if step > 0]
+        assert max(rewards) >= start_reward + 0.2 and rewards[-1] >= start_reward, \
+            f"{name}: held-out greedy reward {start_reward:.2f} -> {curve['eval_reward'][1:]}"

@@ -461,8 +461,9 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         code = main()
-    except ConfigError as e:  # a setting that cannot work, found once the run had started (its data, a resume): one line
-        print0(f"train.py: error: {e}")
+    except ConfigError as e:  # a setting that cannot work, found once the run had started (its data, a resume): one line,
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # in each node's log
+            print(f"train.py: error: {e}", file=sys.stderr, flush=True)
         code = 2
     except KeyboardInterrupt:  # a Ctrl-C before the loop (nothing to save yet), or the second one
         print0("train.py: interrupted; a later run with resume=auto goes on from the last checkpoint, if there is one")

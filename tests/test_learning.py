@@ -1,32 +1,21 @@
 """
 Does it learn? On the offline arithmetic task the agent is rewarded only when it calls the
-calculator with the question's numbers and copies the result into its answer. A tiny random model
-cannot find the tool-call format alone, so it is first warm-started by imitating scripted
-demonstrations through the trainer's own forward, mask and loss code. The demonstrations leave room:
-on one of the two question phrasings they mostly guess without the tool (and are wrong), so the
-warm-started greedy policy answers those questions wrong (asserted: it calls the calculator on about
-half the held-out questions, and gets at most 0.7 of them right). Then every estimator the trainer
-has (ESTIMATORS), each from the same warm-started export and with the same RL budget, must raise the
-held-out greedy reward by >= 0.2 absolute at one of the evaluations after steps 4 and 6, and must
-not end below where it started: on 32 held-out questions of two phrasings, greedy answers flip a
-whole phrasing at once.
+calculator with the question's numbers and copies the result into its answer. A tiny random model is
+first warm-started by imitating scripted demonstrations (the trainer's own forward, mask and loss)
+that mostly guess on one of the two phrasings, so the greedy policy calls the calculator on about half
+the held-out questions and gets at most 0.7 right (asserted). Then every estimator (ESTIMATORS), from
+the same export with the same RL budget, must raise the held-out greedy reward by >= 0.2 at the
+evaluation after step 4 or 6, and not end below where it started (greedy answers flip a whole
+phrasing at once).
 
-The premise is built in, not left to the machine. The warm start: 300 imitation steps of 64
-demonstrations at 1e-3, from a demonstrator that calls the calculator on 90% of one phrasing
-(arithmetic.demonstration), left the held-out reward at 0.50 on every CPU kernel path tried. The RL
-budget: sampled rollouts differ from one machine to the next (the engine batches whichever requests
-are running, so the rounding, and with it a sampled token now and then, depends on the machine's
-load), so the budget must hold for any of them, not for one lucky sample. At train.lr=3e-4 it did
-not: a fresh AdamW moves every weight by about the learning rate on its first steps, whatever its
-gradient, and the estimators that average over a sequence or a step (GSPO, StepPO) moved the policy
-~10x further per update than the token means (approx KL 0.02-0.06 against 0.001-0.005), rose, then
-collapsed on an AMD CPU (StepPO: held-out 0.50 -> 0.66 -> 0.00, entropy 0.18 -> 1.07, the tool calls
-broken). At 1e-4 every estimator reached 1.00 by step 4 in every run tried (AMD, seeds 0 and 1 under avx2,
-seed 0 natively, StepPO seeds 1 and 2 too), the lowest evaluation after that 0.62 (StepPO, native,
-step 6); the README has the curves of the test itself on each path and beside a busy process. Every run is on one thread (the rounding
-depends on the thread count), the RL runs two at a time: on 2 cores that is ~1.6x the throughput of
-one run on two threads, and under make test's two workers no run's threads wait on a core the other
-worker holds.
+The premise is built in. The warm start (300 steps of 64 demonstrations at 1e-3, the calculator on
+90% of one phrasing) left 0.50 on every CPU kernel path tried. Sampled rollouts differ between
+machines and loads (the engine batches whichever requests are running, and the rounding follows), so
+the RL budget must hold for any sample: at train.lr=3e-4 it did not, as GSPO and StepPO moved the
+policy up to ~10x further per update than the token means and collapsed on an AMD CPU (StepPO 0.50 ->
+0.66 -> 0.00). At 1e-4 every estimator reached 1.00 by step 6 in every run tried, natively, under
+avx2 and beside a busy process (README: "Expected results and costs"). Every run is on one thread
+(the rounding depends on the thread count); the RL runs go two at a time.
 """
 
 import json

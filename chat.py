@@ -135,7 +135,10 @@ def main(argv=None):
     if args.question is not None and not args.question.strip():  # the model would answer nothing with whatever it makes up
         fail("--question is empty; ask a question, or leave --question out to chat")
     try:
-        cfg, config_source = load_run_config(args.model, args.config, args.overrides + ([f"data.index_dir={args.index}"] if args.index else []))
+        cfg, config_source = load_run_config(
+            args.model, args.config,
+            args.overrides + ([f"data.index_dir={args.index}"] if args.index else []),
+        )
     except ConfigError as e:
         fail(f"config: {e}")
     try:

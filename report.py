@@ -58,8 +58,8 @@ def eval_summary(path):
     return summary, len(trajs)
 
 
-# what the update did, beside the reward (what TRL and verl users look at first): panel title -> (metric, label) of each
-# curve; a curve the run did not log (no critic, no reference) is left out
+# what the update did, beside the reward (what TRL and verl users look at first): panel title ->
+# (metric, label) of each curve; a curve the run did not log (no critic, no reference) is left out
 TRAINING_PANELS = {
     "Loss": [("pg_loss", "policy"), ("vf_loss", "value (critic)")],
     "KL": [("kl", "to the reference (k1)"), ("approx_kl", "to the policy that sampled (approx.)")],
@@ -81,9 +81,11 @@ def plot(rows, out_dir):
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([r["step"] for r in train], [r["reward"] for r in train], label="training rollouts (sampled)", alpha=0.8)
     if evals:
-        ax.plot([r["step"] for r in evals], [r["eval/reward"] for r in evals], "o-", label="held-out (greedy)")
+        ax.plot([r["step"] for r in evals], [r["eval/reward"] for r in evals], "o-",
+                label="held-out (greedy)")
         ax.legend()
-    ax.set(xlabel="step", ylabel="reward", title="Reward" if evals else "Reward of the training rollouts (no held-out evaluation)")
+    ax.set(xlabel="step", ylabel="reward",
+           title="Reward" if evals else "Reward of the training rollouts (no held-out evaluation)")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "reward.png"), dpi=120)
@@ -138,16 +140,19 @@ def write_report(run_dir, out_path, eval_path=None, stages=(), gpus=0):
         lines += ["", f"reward = the task's reward recipe; {QA_LEGEND if 'eval/em' in keys else ''}the other scores are the task's "
                   "(its score()); turns and tool_calls per prompt; TYPE/...: the prompts of one type.", ""]
     else:
-        lines += [f"No held-out evaluation was logged (eval.every={config['eval']['every']}): the curves below are of the sampled "
-                  "training rollouts.", ""]
+        lines += [f"No held-out evaluation was logged (eval.every={config['eval']['every']}): "
+                  "the curves below are of the sampled training rollouts.", ""]
 
     if eval_path:
         summary, n = eval_summary(eval_path)
         lines += [f"## Validation set: {n} questions (rollout.py, greedy)", "", "| metric | value |", "|---|---|"]
         lines += [f"| {k} | {v:.3f} |" for k, v in summary.items()] + [""]
-    lines += ["## Training curves", "", "Per step: the reward; the update's losses, KL (to the reference model when the run has "
-              "one, train.kl_mode; and the update's approximate KL to the policy that sampled), the policy's entropy and the "
-              "gradient norms before clipping; turns and response tokens per trajectory.", ""] + [f"![{name}]({name})" for name in images] + [""]
+    lines += (["## Training curves", "",
+               "Per step: the reward; the update's losses, KL (to the reference model when the run has one, "
+               "train.kl_mode; and the update's approximate KL to the policy that sampled), the policy's "
+               "entropy and the gradient norms before clipping; turns and response tokens per "
+               "trajectory.", ""]
+              + [f"![{name}]({name})" for name in images] + [""])
     if train:
         last = train[-1]
         step_times = sorted(r["time/step"] for r in train)

@@ -45,7 +45,8 @@ def parse_args(argv):
     parser.add_argument("--limit", type=int, default=0, help="roll out only the first N prompts (0: all)")
     parser.add_argument("--batch-size", type=int, default=64, help="prompts rolled out together")
     parser.add_argument("--greedy", action="store_true", help="greedy decoding (evaluation)")
-    parser.add_argument("--config", default=None, help="preset to use (default: the run's config.json, else the defaults)")
+    parser.add_argument("--config", default=None,
+                        help="preset to use (default: the run's config.json, else the defaults)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. rollout.max_turns=4")
     args = parser.parse_args(argv)
     try:

@@ -35,11 +35,11 @@ without a tool call, a game was won or lost); when a turn is cut by the new-toke
 environment is done or it was the last allowed turn ("truncated"), or by the context budget
 ("context_budget", as when the next observation would not fit) -- except that a cut turn on which the
 environment reports done without having read as far as the cut (its info["read_to_end"] False: a
-game reads the first line of a reply) ends as "done", its outcome the environment's; after the last allowed turn
-without the environment being done ("max_turns": the turn budget, gym's truncation); or when a
-step of its environment failed or ran past rollout.step_timeout_s ("env_error", with the reason
-in Trajectory.error). A turn cut before the last turn otherwise goes on: the environment reads
-what was cut (a tool call that was not closed is an error the model reads).
+game reads the first line of a reply) ends as "done", its outcome the environment's; after the last
+allowed turn without the environment being done ("max_turns": the turn budget, gym's truncation);
+or when a step of its environment failed or ran past rollout.step_timeout_s ("env_error", with the
+reason in Trajectory.error). A turn cut before the last turn otherwise goes on: the environment
+reads what was cut (a tool call that was not closed is an error the model reads).
 """
 
 import time
@@ -167,8 +167,9 @@ def observe(t, env, step, content, ended_with_eos, last_turn, cut, max_context_t
     t.tool_calls += info.get("tool_calls", [])
     if done or last_turn:
         t.messages.append(assistant)
-        # the budget's reason, unless the environment ended the episode without reading as far as the cut (a game reads
-        # the first line of a reply): then what it judged was whole, and the outcome is the environment's
+        # the budget's reason, unless the environment ended the episode without reading as far as the cut
+        # (a game reads the first line of a reply): then what it judged was whole, and the outcome is the
+        # environment's
         budget_ended = cut and (not done or info.get("read_to_end", True))
         t.final_text, t.finish_reason = content, cut if budget_ended else "done" if done else "max_turns"
         return False

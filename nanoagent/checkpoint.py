@@ -286,8 +286,9 @@ def check_resume(path, cfg):
                           f"or start a new run with resume=never (the old one is moved aside) or another run_dir")
     if marker["world_size"] != dist.get_world_size():
         raise ConfigError(f"{path} was written by {marker['world_size']} ranks and this run has {dist.get_world_size()}: the data "
-                          f"position and the RNG states are per rank; resume on {marker['world_size']} ranks (torchrun's "
-                          "nnodes x nproc_per_node), or start a new run with resume=never (the old one is moved aside) or another run_dir")
+                          f"position and the RNG states are per rank; resume on {marker['world_size']} ranks "
+                          "(torchrun's nnodes x nproc_per_node), or start a new run with resume=never "
+                          "(the old one is moved aside) or another run_dir")
     saved, current = flatten(_read_json(os.path.join(path, "config.json"))), flatten(to_dict(cfg))
     changes = [(key, saved.get(key), value) for key, value in current.items() if saved.get(key) != value]
     fixed = [f"{key}: {old!r} -> {new!r}" for key, old, new in changes if key not in CHANGEABLE]

@@ -4,6 +4,7 @@ seeding, the metrics log, timing. It stands on the ground floor: it imports no n
 import json
 import os
 import random
+import signal
 import socket
 import statistics
 import sys
@@ -128,6 +129,31 @@ class MetricsLog:
             f.write(json.dumps(metrics) + "\n")
         if self.wandb is not None:
             self.wandb.log(metrics, step=metrics["step"])
+
+
+def stop_on_signals():
+    """
+    A SIGTERM (a preemption: torchrun passes it on, and kills 30 s later) or a Ctrl-C (SIGINT, passed on
+    by torchrun too) asks the training loop to stop at its next safe point: the returned dict's "signal"
+    is the first one received (0: none), said at once in one line. A second Ctrl-C raises
+    KeyboardInterrupt, as Ctrl-C does by default.
+    """
+    stop = {"signal": 0}
+
+    def handler(signum, frame):
+        if signum == signal.SIGINT and stop["signal"] == signal.SIGINT:
+            raise KeyboardInterrupt
+        # a raw write: a print here could land inside the loop's own print
+        if not stop["signal"] and rank() == 0:
+            again = " (Ctrl-C again to abort)" if signum == signal.SIGINT else ""
+            message = (f"{signal.Signals(signum).name}: a checkpoint at the next safe point, "
+                       f"then stopping{again}\n")
+            os.write(sys.stderr.fileno(), message.encode())
+        stop["signal"] = stop["signal"] or signum
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
 
 
 def exit_now(code):

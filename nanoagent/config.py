@@ -35,7 +35,9 @@ def opt(default, help):
 
 @dataclass
 class DataConfig:
-    task: str = opt("hotpotqa", f"a task in nanoagent/tasks/ ({', '.join(task_names())}) or a path to a task file: its prompts, tools, reward and demonstrations")
+    task: str = opt("hotpotqa",
+                    f"a task in nanoagent/tasks/ ({', '.join(task_names())}) or a path to a task file: "
+                    "its prompts, tools, reward and demonstrations")
     train_path: str = opt("data/hotpotqa/train.parquet", "training prompts (parquet from prepare_data.py)")
     val_path: str = opt("data/hotpotqa/val.parquet", "held-out prompts for evaluation")
     index_dir: str = opt("data/hotpotqa/index", "search index from build_index.py")
@@ -156,7 +158,8 @@ class Config:
 
 
 PRESETS = {
-    # CPU, offline: the tiny random model on arithmetic with the calculator, no data files (tests, the README's CPU runs)
+    # CPU, offline: the tiny random model on arithmetic with the calculator, no data files
+    # (tests, the README's CPU runs)
     "tiny": [
         "model=tiny", "steps=20", "run_dir=out/tiny",
         "data.task=arithmetic", "data.max_prompt_tokens=768", "data.num_val=32",
@@ -289,15 +292,18 @@ def set_key(cfg, key, text):
 
 
 def _unknown(key):
-    """The refusal of an unknown key, with the keys it may have meant: those with its leaf name (lr: train.lr, a key
-    given without its group or in another), else those close to it, whole or by leaf name. --help lists them all."""
+    """The refusal of an unknown key, with the keys it may have meant: those with its leaf name (lr:
+    train.lr, a key given without its group or in another), else those close to it, whole or by leaf
+    name. --help lists them all."""
     keys = list(all_keys())
     leaves = {}
     for k in keys:
         leaves.setdefault(k.rsplit(".", 1)[-1], []).append(k)
     leaf = key.rsplit(".", 1)[-1]
-    close = leaves.get(leaf) or list(dict.fromkeys([*difflib.get_close_matches(key, keys, n=3),
-                                                    *(k for near in difflib.get_close_matches(leaf, leaves, n=3) for k in leaves[near])]))[:3]
+    close = leaves.get(leaf) or list(dict.fromkeys([
+        *difflib.get_close_matches(key, keys, n=3),
+        *(k for near in difflib.get_close_matches(leaf, leaves, n=3) for k in leaves[near]),
+    ]))[:3]
     hint = f" Did you mean: {', '.join(close)}?" if close else ""
     return f"unknown config key {key!r}.{hint} --help lists every key."
 
@@ -381,9 +387,11 @@ def validate(cfg):
          "rollout.context=last_k with algo=ppo needs ppo.credit=step: each turn is then a sequence of its own, and token-level "
          "GAE cannot carry a turn's value across to the next turn's sequence; step-level GAE links the turns")
     need(cfg.ppo.ratio == "token" or cfg.train.loss_agg != "token_mean",
-         f"ppo.ratio={cfg.ppo.ratio} with train.loss_agg=token_mean: GSPO's objective is a mean over sequences (or steps) of "
-         "each one's clipped ratio times its advantage, every one weighed the same; a token mean weighs each by its length. "
-         f"Use train.loss_agg={'step_mean_token_mean' if cfg.ppo.ratio == 'step' else 'seq_mean_token_mean'} (verl's fix for GSPO)")
+         f"ppo.ratio={cfg.ppo.ratio} with train.loss_agg=token_mean: GSPO's objective is a mean over "
+         "sequences (or steps) of each one's clipped ratio times its advantage, every one weighed the same; "
+         "a token mean weighs each by its length. Use train.loss_agg="
+         f"{'step_mean_token_mean' if cfg.ppo.ratio == 'step' else 'seq_mean_token_mean'} "
+         "(verl's fix for GSPO)")
     need((cfg.rollout.prompts_per_step * cfg.rollout.group_size) % cfg.ppo.mini_batch_size == 0,
          f"rollout.prompts_per_step x rollout.group_size ({cfg.rollout.prompts_per_step * cfg.rollout.group_size}) "
          f"must be a multiple of ppo.mini_batch_size ({cfg.ppo.mini_batch_size})")
@@ -434,8 +442,10 @@ def load_run_config(model, preset=None, overrides=()):
             try:
                 saved = json.load(f)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"{run_config}: not JSON ({e}); pass --config NAME to use a preset instead") from None
-        if isinstance(saved, dict) and "data" in saved and "rollout" in saved:  # a nanoagent run's, not any config.json
+                raise ConfigError(f"{run_config}: not JSON ({e}); "
+                                  "pass --config NAME to use a preset instead") from None
+        # a nanoagent run's, not any config.json
+        if isinstance(saved, dict) and "data" in saved and "rollout" in saved:
             try:
                 cfg = from_dict(saved)
             except ConfigError as e:

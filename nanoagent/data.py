@@ -20,7 +20,8 @@ import pyarrow.parquet as pq
 from nanoagent.common import print0
 
 ROLES = ("system", "user", "assistant", "tool")
-FILE_FIELDS = ("game",)  # row fields that name a file relative to the prompt file's folder (nanoagent/tasks/textworld.py)
+# row fields that name a file relative to the prompt file's folder (nanoagent/tasks/textworld.py)
+FILE_FIELDS = ("game",)
 
 
 def load_prompts(path, limit=0, bad_prompts="refuse"):

@@ -70,8 +70,9 @@ def stop_token_ids(tokenizer, stop_tags=("</tool_call>",)):
     return sorted(i for i in ids if i is not None)
 
 
-# On every weight push vLLM's reload_weights warns "<layer class>: Failed to load weights" for each layer with tensors that
-# none of the pushed weights went to, and puts that layer's own tensors back (vllm/model_executor/model_loader/reload/layerwise.py).
+# On every weight push vLLM's reload_weights warns "<layer class>: Failed to load weights" for each
+# layer with tensors that none of the pushed weights went to, and puts that layer's own tensors back
+# (vllm/model_executor/model_loader/reload/layerwise.py).
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 RELOAD_FAILED = "%s: Failed to load weights"
 PARAMETERLESS_LAYERS = set()  # the class names of the engines' layers that hold buffers and no parameters
@@ -80,15 +81,18 @@ PARAMETERLESS_LAYERS = set()  # the class names of the engines' layers that hold
 def parameterless_layers(model):
     """The class names of the model's layers whose tensors are all buffers (a RotaryEmbedding's cos/sin table,
     computed from the config); a name that a layer with parameters also has is not one."""
-    with_parameters = {type(m).__name__ for m in model.modules() if next(m.parameters(recurse=False), None) is not None}
-    with_buffers = {type(m).__name__ for m in model.modules() if next(m.buffers(recurse=False), None) is not None}
+    with_parameters = {type(m).__name__ for m in model.modules()
+                       if next(m.parameters(recurse=False), None) is not None}
+    with_buffers = {type(m).__name__ for m in model.modules()
+                    if next(m.buffers(recurse=False), None) is not None}
     return with_buffers - with_parameters
 
 
 def keep_reload_warning(record):
-    """Drops vLLM's "Failed to load weights" for a layer without parameters: the trainer sends parameters only, so such a
-    layer never gets one and keeps its buffers, which training does not change; on every push the warning said nothing.
-    A layer with parameters still warns: it would go on generating with stale weights."""
+    """Drops vLLM's "Failed to load weights" for a layer without parameters: the trainer sends parameters
+    only, so such a layer never gets one and keeps its buffers, which training does not change; on every
+    push the warning said nothing. A layer with parameters still warns: it would go on generating with
+    stale weights."""
     return not (record.msg == RELOAD_FAILED and record.args and record.args[0] in PARAMETERLESS_LAYERS)
 
 
@@ -127,7 +131,8 @@ class VLLMEngine:
         self.stop_ids = list(stop_ids)
         self.asleep = False
         PARAMETERLESS_LAYERS.update(*self.llm.apply_model(parameterless_layers))
-        logging.getLogger(RELOAD_LOGGER).addFilter(keep_reload_warning)  # once: the same function is not added twice
+        # once: the same function is not added twice
+        logging.getLogger(RELOAD_LOGGER).addFilter(keep_reload_warning)
 
     def submit(self, request_id, prompt_ids, sampling, max_new_tokens, seed=None):
         """Queue one generation (a trajectory's turn) in the engine; step() returns it when done.

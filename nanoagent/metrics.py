@@ -78,10 +78,12 @@ def step_line(metrics, cfg, first_step, elapsed):
     """
     m, answer = metrics, cfg.reward.metric
     score = f" | {answer} {m[answer]:.3f}" if answer in m else ""
-    # the update's statistics where there was one: none in the critic's warm-up, nor when every trajectory was left out
+    # the update's statistics where there was one: none in the critic's warm-up, nor when every
+    # trajectory was left out
     update = "no policy update"
     if m["policy_updates"]:
-        update = f"clip {m['clipfrac']:.3f} | ent {m['entropy']:.3f} | gnorm {m['grad_norm']:.3f} | skip {m['skipped']:.2f}"
+        update = (f"clip {m['clipfrac']:.3f} | ent {m['entropy']:.3f} | gnorm {m['grad_norm']:.3f} | "
+                  f"skip {m['skipped']:.2f}")
     if "kl" in m:
         kl = f"kl_ref {m['kl']:.4f} | "
     elif m["policy_updates"]:
@@ -91,7 +93,8 @@ def step_line(metrics, cfg, first_step, elapsed):
     eta = elapsed / (m["step"] - first_step) * (cfg.steps - m["step"])
     evaluation = f" | eval reward {m['eval/reward']:.3f}" if "eval/reward" in m else ""
     evaluation += f" {answer} {m['eval/' + answer]:.3f}" if "eval/" + answer in m else ""
-    return (f"step {m['step']:4d}/{cfg.steps} | reward {m['reward']:.3f}{score} | turns {m['turns']:.2f} | resp {m['response_tokens']:.0f} | "
+    return (f"step {m['step']:4d}/{cfg.steps} | reward {m['reward']:.3f}{score} | turns {m['turns']:.2f} | "
+            f"resp {m['response_tokens']:.0f} | "
             f"{kl}{update} | drop {m['dropped_uniform']:.2f}+{m['dropped_overlong']:.2f} | "
             f"rollout {m['time/rollout']:.1f}s fwd {m['time/forward']:.1f}s upd {m['time/update']:.1f}s push {m['time/push']:.2f}s | "
             f"{m['tokens_per_s']:.0f} tok/s | elapsed {duration(elapsed)} eta {duration(eta)}{evaluation}")

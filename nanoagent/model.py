@@ -85,9 +85,10 @@ def attention_plan(position_ids):
         if p == 0:
             root, opened = s, e - s
         elif p > opened:
-            raise ValueError(f"packed positions: the segment at index {s} starts at position {p}, and no segment of at least {p} "
-                             "tokens opened at 0 before it: a row's positions start at 0, a row after a shared prompt goes on from "
-                             "the prompt's (model.packed_layout)")
+            raise ValueError(f"packed positions: the segment at index {s} starts at position {p}, and no "
+                             f"segment of at least {p} tokens opened at 0 before it: a row's positions "
+                             "start at 0, a row after a shared prompt goes on from the prompt's "
+                             "(model.packed_layout)")
         by_length.setdefault(((e - s - 1).bit_length(), (p + e - s - 1).bit_length()), []).append((s, e, root, p))
     buckets, out, done = [], [0] * len(positions), 0
     for segments in by_length.values():
@@ -472,8 +473,9 @@ def packed_layout(batch, idx):
     for i in idx:
         groups.setdefault(batch["prompt"][i].item(), []).append(i)
         if not torch.equal(batch["position_ids"][i, :batch["lengths"][i]], torch.arange(batch["lengths"][i])):
-            raise ValueError(f"row {i}'s position ids are not 0, 1, 2, ...: the packed forward would read it as the continuation "
-                             "of a shared prompt (attention_plan); a row begins at position 0")
+            raise ValueError(f"row {i}'s position ids are not 0, 1, 2, ...: the packed forward would read "
+                             "it as the continuation of a shared prompt (attention_plan); a row begins "
+                             "at position 0")
     rows, source_rows, source_cols, places = [], [], [], {}
     for members in groups.values():
         start = len(source_rows)

@@ -34,7 +34,8 @@ META, DOCS, OFFSETS, BUILD, EMBEDDINGS = "meta.json", "docs.jsonl", "offsets.npy
 PROBE = "nanoagent encoder check: the river city was founded by an engineer in 1802."
 PROBE_MIN_COSINE = 0.99  # the same model in fp16 vs fp32 or on another device agrees to ~0.9999
 CORPUS_FORMAT = 'a corpus is JSONL of {"id": a string or an integer, "title": a string, "text": a string}'
-MINILM = "sentence-transformers/all-MiniLM-L6-v2"  # build_index.py's default encoder, which an index records by this name
+# build_index.py's default encoder, which an index records by this name
+MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 MINILM_NAMES = (MINILM, "all-MiniLM-L6-v2")  # sentence-transformers reads a bare name as one of its own
 
 

@@ -27,7 +27,8 @@ import tempfile
 import torch
 from huggingface_hub import constants as hub_constants
 from huggingface_hub import get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
-from huggingface_hub.errors import GatedRepoError, HFValidationError, RemoteEntryNotFoundError, RepositoryNotFoundError
+from huggingface_hub.errors import (GatedRepoError, HFValidationError, RemoteEntryNotFoundError,
+                                    RepositoryNotFoundError)
 from huggingface_hub.utils import validate_repo_id
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -298,19 +299,23 @@ def hub_problem(name):
     if isinstance(try_to_load_from_cache(name, "config.json"), str):
         return None
     if hub_constants.HF_HUB_OFFLINE:
-        return (f"{name!r} is no folder here, and as a hub id it is not in the local Hugging Face cache, which is all "
-                f"HF_HUB_OFFLINE=1 allows: download it where there is a network (hf download {name}), or pass a folder")
+        return (f"{name!r} is no folder here, and as a hub id it is not in the local Hugging Face cache, "
+                "which is all HF_HUB_OFFLINE=1 allows: download it where there is a network "
+                f"(hf download {name}), or pass a folder")
     try:
         get_hf_file_metadata(hf_hub_url(name, "config.json"), timeout=HUB_TIMEOUT_S)
     except GatedRepoError:
         return f"{name!r} is gated on the hub: accept its terms on its page and log in (hf auth login)"
     except RepositoryNotFoundError:
-        return f"{name!r} is no folder here, and the hub has no model of that name (or a private one: log in with hf auth login)"
+        return (f"{name!r} is no folder here, and the hub has no model of that name "
+                "(or a private one: log in with hf auth login)")
     except RemoteEntryNotFoundError:
         return f"the hub's {name!r} has no config.json: it is not a transformers model"
-    except Exception as e:  # no network, no answer in time, the hub's own error: the libraries raise many kinds
+    except Exception as e:
+        # no network, no answer in time, the hub's own error: the libraries raise many kinds
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return (f"{name!r} is no folder here, and the hub did not answer for it ({reason}; waited at most {HUB_TIMEOUT_S} s): "
+        return (f"{name!r} is no folder here, and the hub did not answer for it "
+                f"({reason}; waited at most {HUB_TIMEOUT_S} s): "
                 "with no network, set HF_HUB_OFFLINE=1 and use a model in the local cache, or pass a folder")
     return None
 
@@ -327,13 +332,15 @@ def model_problem(name):
     folder = os.path.normpath(name)
     if STEP_DIR.match(os.path.basename(folder)) or os.path.isfile(os.path.join(folder, MARKER)):
         export = os.path.join(os.path.dirname(os.path.dirname(folder)), "hf")
-        return f"{name!r} is a training checkpoint (sharded, for resuming a run), not a model: pass the run's export {export!r}"
+        return (f"{name!r} is a training checkpoint (sharded, for resuming a run), not a model: "
+                f"pass the run's export {export!r}")
     if any(os.path.exists(os.path.join(folder, entry)) for entry in ("hf", "checkpoints", "metrics.jsonl")):
         export = os.path.join(folder, "hf")
         exported = "" if os.path.isdir(export) else " (none yet: train.py writes it when the run ends)"
         return f"{name!r} is a training run's folder, not a model: pass its export {export!r}{exported}"
     if not os.path.isfile(os.path.join(folder, "config.json")):
-        return f"{name!r} is a folder without a model (no config.json); a training run exports its model to <run_dir>/hf"
+        return (f"{name!r} is a folder without a model (no config.json); "
+                "a training run exports its model to <run_dir>/hf")
     return None
 
 

@@ -122,14 +122,16 @@ class Game:
             return "Write one command, for example: look.", 0.0, False, {}
         if leaves_the_game(cmd):
             return f"'{cmd}' is not available in this game.", 0.0, False, {}
-        read_to_end = not action.strip().partition("\n")[2].strip()  # nothing after the command's line (env.py: info)
+        # nothing after the command's line (env.py: info)
+        read_to_end = not action.strip().partition("\n")[2].strip()
         state, self.score, done = self.env.step(cmd)
         self.won, self.moves = bool(state.won), self.moves + 1
         remaining = 0 if self.won else len(state.policy_commands) or self.remaining  # a lost game has no plan: no progress
         progress, self.remaining = (self.remaining - remaining) / self.length, remaining
         if done:
             self.env.close()
-        return clean(state.feedback), progress, done, {"score": self.score, "won": self.won, "read_to_end": read_to_end}
+        return (clean(state.feedback), progress, done,
+                {"score": self.score, "won": self.won, "read_to_end": read_to_end})
 
 
 def game_path(row, games_dir="."):

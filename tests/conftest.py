@@ -49,7 +49,8 @@ def user_files():
                     stat = os.lstat(path)
                 except FileNotFoundError:  # removed while we walked
                     continue
-                found[os.path.relpath(path, ROOT)] = (stat.st_size, stat.st_mtime_ns) if name in files else None
+                stamp = (stat.st_size, stat.st_mtime_ns) if name in files else None
+                found[os.path.relpath(path, ROOT)] = stamp
     return found
 
 
@@ -65,11 +66,14 @@ def repository_untouched(request):
     before = user_files()
     yield
     after = user_files()
-    changes = ([f"new {p}" for p in after.keys() - before.keys()] + [f"gone {p}" for p in before.keys() - after.keys()]
+    changes = ([f"new {p}" for p in after.keys() - before.keys()]
+               + [f"gone {p}" for p in before.keys() - after.keys()]
                + [f"changed {p}" for p in after.keys() & before.keys() if after[p] != before[p]])
     if changes:
-        pytest.fail(f"{request.node.nodeid} touched the repository's out/ or data/ (a user's runs and data; give what it runs a "
-                    f"temporary folder): {', '.join(sorted(changes)[:10])}{' ...' if len(changes) > 10 else ''}", pytrace=False)
+        listed = ", ".join(sorted(changes)[:10]) + (" ..." if len(changes) > 10 else "")
+        pytest.fail(f"{request.node.nodeid} touched the repository's out/ or data/ (a user's runs and data; "
+                    f"give what it runs a temporary folder): {listed}",
+                    pytrace=False)
 
 
 @pytest.fixture(autouse=True)

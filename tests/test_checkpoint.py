@@ -431,8 +431,8 @@ def test_resume_refuses_what_cannot_change_and_lists_what_does(tmp_path, tiny_mo
         check_resume(path, make_config("tiny", ["steps=1"]))
     with open(os.path.join(path, "COMPLETE"), "w") as f:
         json.dump({"step": 2, "world_size": 2}, f)
-    with pytest.raises(ConfigError, match="written by 2 ranks and this run has 1: .* resume on 2 ranks .*, or start a new run with "
-                                          "resume=never .* or another run_dir"):
+    with pytest.raises(ConfigError, match="written by 2 ranks and this run has 1: .* resume on 2 ranks .*, "
+                                          "or start a new run with resume=never .* or another run_dir"):
         check_resume(path, make_config("tiny"))
 
 

@@ -39,7 +39,9 @@ def test_defaults_presets_and_overrides():
     ("data.bad_prompts=skip", "valid: refuse, drop"),
     ("ppo.credit=turn", "valid: token, step"),
     ("ppo.credit=step", "ppo.credit=step needs algo=ppo"),
-    ("ppo.ratio=sequence", "ppo.ratio=sequence with train.loss_agg=token_mean: GSPO's objective .* Use train.loss_agg=seq_mean_token_mean"),
+    ("ppo.ratio=sequence",
+     "ppo.ratio=sequence with train.loss_agg=token_mean: GSPO's objective .* "
+     "Use train.loss_agg=seq_mean_token_mean"),
     ("rollout.context=last_3", "valid: full, last_k"),
     ("steps", "expected key=value"),
 ])
@@ -134,16 +136,17 @@ def test_config_and_common_import_nothing_above_them():
 def test_an_unknown_key_names_the_key_meant_and_no_wall_of_keys(override, meant):
     with pytest.raises(ConfigError) as refused:
         make_config("tiny", [override])
-    assert str(refused.value) == f"unknown config key {override.split('=')[0]!r}. Did you mean: {meant}? --help lists every key."
+    key = override.split("=")[0]
+    assert str(refused.value) == f"unknown config key {key!r}. Did you mean: {meant}? --help lists every key."
 
 
 def test_help_lists_every_task_and_preset_there_is(capsys):
-    """The lists in the help are built from the tasks' folder and PRESETS, so a new task or preset is in them."""
+    """The help's lists are built from the tasks' folder and PRESETS, so a new task or preset is in them."""
     import train
     from nanoagent.config import task_names
     with pytest.raises(SystemExit):
         train.parse_args(["--help"])
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps the option help
     assert "textworld" in task_names() and f"({', '.join(task_names())})" in all_keys()["data.task"][2]
-    assert f"--config CONFIG preset name ({', '.join(PRESETS)})" in out
+    assert f"--config CONFIG preset: {', '.join(PRESETS)} (default: none)" in out
     assert f"presets (--config=NAME): {', '.join(PRESETS)}" in out

@@ -18,8 +18,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import procs
-import train
 from nanoagent.agent import run_agent, scripted_trajectories
+from nanoagent.batch import counted_in_baseline, token_rewards, trained_rows
 from nanoagent.config import make_config
 from nanoagent.engine import SamplingConfig, VLLMEngine, stop_token_ids
 from nanoagent.env import ChatEnv
@@ -118,7 +118,7 @@ def test_an_environment_under_the_full_context_is_token_exact(engine, tok, as_to
     for t in trajs:
         t.reward = 1.0
     batch = collate(trajs, tok.pad_token_id)
-    rewards, process = train.token_rewards(trajs, batch, tool_call_reward=0.0)
+    rewards, process = token_rewards(trajs, batch, tool_call_reward=0.0)
     for row, steps in enumerate(batch["steps"]):
         expected = torch.zeros(rewards.shape[1])
         for _, _, end in steps:
@@ -154,8 +154,12 @@ def test_a_failing_environment_fails_only_its_own_trajectory(engine, tok):
     for t in trajs:
         assert len(t.step_rewards) == len(t.turn_spans) == (3 if t.sample["how"] == "fine" else 2)
     # the trainer leaves them out of the update: their reward says nothing of the policy
-    keep, dropped = train.trained_rows(trajs, torch.zeros(7), torch.zeros(7), torch.arange(7),
-                                       make_config("tiny", ["algo=reinforce", "train.overlong_filter=false"]))
+    keep, dropped = trained_rows(trajs,
+                                 torch.zeros(7),
+                                 torch.zeros(7),
+                                 torch.arange(7),
+                                 counted_in_baseline(trajs),
+                                 make_config("tiny", ["algo=reinforce", "train.overlong_filter=false"]))
     assert keep.tolist() == [1, 0, 0, 0, 0, 0, 1] and dropped["dropped_env_error"] == 5
 
 
@@ -212,8 +216,10 @@ def test_textworld_commands_and_text(game_rows, tmp_path, monkeypatch):
     assert game.reset(rows_[1]) == rows_[1]["messages"]
     text = rows_[1]["messages"][1]["content"]
     assert "$$" not in text and "-= " in text and not any(line.startswith(">") for line in text.split("\n"))
-    assert game.step("dance with the mop") == ("That's not a verb I recognise.", 0.0, False, {"score": 0, "won": False, "read_to_end": True})
-    assert game.step("dance with the mop\nand then")[3]["read_to_end"] is False  # a cut after the command's line is not read
+    assert game.step("dance with the mop") == ("That's not a verb I recognise.", 0.0, False,
+                                               {"score": 0, "won": False, "read_to_end": True})
+    # a cut after the command's line is not read
+    assert game.step("dance with the mop\nand then")[3]["read_to_end"] is False
     # the step reward is the progress along the game's plan (go east, go south, take coin): south of the first room
     # is a dead end off the chain (a hard game's); the coin is not in the second room
     assert rows_[1]["walkthrough"] == ["go east", "go south", "take coin"]

@@ -72,40 +72,64 @@ def test_engine_logprob_diff_only_where_a_rank_compared(tmp_path):
 
 
 def scored_step(cfg, answers, kl, updated=True):
-    """step_metrics of arithmetic trajectories answering `answers` to 12*7 (one action token each, trained), scored by
-    the task as train.py scores them, after one policy update or (updated=False: the critic's warm-up) none; kl: the k1
-    to a reference per trained token, or None."""
+    """step_metrics of arithmetic trajectories answering `answers` to 12*7 (one action token each,
+    trained), scored by the task as train.py scores them, after one policy update or (updated=False:
+    the critic's warm-up) none; kl: the k1 to a reference per trained token, or None."""
     trajs = []
     for answer in answers:
         sample = {"id": answer, "messages": [{"role": "user", "content": "Compute 12*7."}], "answers": ["84"]}
         text = f"<answer>{answer}</answer>"
-        t = Trajectory(sample=sample, prompt_ids=[1, 2], messages=[*sample["messages"], {"role": "assistant", "content": text}],
-                       response_ids=[3], action_mask=[1], rollout_logprobs=[-1.0], turn_spans=[(0, 1)], final_text=text, finish_reason="done")
+        t = Trajectory(sample=sample,
+                       prompt_ids=[1, 2],
+                       messages=[*sample["messages"], {"role": "assistant", "content": text}],
+                       response_ids=[3],
+                       action_mask=[1],
+                       rollout_logprobs=[-1.0],
+                       turn_spans=[(0, 1)],
+                       final_text=text,
+                       finish_reason="done")
         arithmetic.score(t, cfg)
         trajs.append(t)
     mask = torch.tensor([[0.0, 0.0, 1.0]] * len(trajs))
-    batch = {"action_mask": mask, "rollout_logprobs": -mask, "nucleus_logprobs": -mask, "lengths": [3] * len(trajs),
-             "prompt": torch.arange(len(trajs)), "prompt_length": torch.tensor([2] * len(trajs))}
-    update = ({"pg_loss": 0.1, "clipfrac": 0.0, "approx_kl": 0.0123, "entropy": 0.9, "kl_loss": 0.0}, {"grad_norm": 0.5, "skipped": 0.0})
-    return step_metrics(4, trajs, {"dropped_uniform": 0, "dropped_overlong": 0, "dropped_env_error": 0}, batch, [update] if updated else [], [],
-                        None if kl is None else kl * mask, [0.0, 1.0, 2.0, 3.0, 4.0])
+    batch = {"action_mask": mask,
+             "rollout_logprobs": -mask,
+             "nucleus_logprobs": -mask,
+             "lengths": [3] * len(trajs),
+             "prompt": torch.arange(len(trajs)),
+             "prompt_length": torch.tensor([2] * len(trajs))}
+    update = ({"pg_loss": 0.1, "clipfrac": 0.0, "approx_kl": 0.0123, "entropy": 0.9, "kl_loss": 0.0},
+              {"grad_norm": 0.5, "skipped": 0.0})
+    return step_metrics(4,
+                        trajs,
+                        {"dropped_uniform": 0, "dropped_overlong": 0, "dropped_env_error": 0},
+                        batch,
+                        [update] if updated else [],
+                        [],
+                        None if kl is None else kl * mask,
+                        [0.0, 1.0, 2.0, 3.0, 4.0])
 
 
 def test_step_line_shows_the_answer_score_each_kl_by_name_elapsed_and_eta(process_group):
     cfg = make_config("tiny")  # reward.metric=em, steps=20, no reference (train.kl_mode=none)
     metrics = scored_step(cfg, ["84", "84", "7", "84"], kl=None)
-    assert metrics["em"] == 0.75 and metrics["f1"] == 0.75  # every score the task gives is a metric of the step
-    line = step_line(metrics, cfg, 0, 100.0)  # step 5 of 20, the first 5 in 100 s: 15 to go at 20 s each
-    assert "| em 0.750 |" in line and "| kl_old 0.0123 | clip 0.000 | ent 0.900 | gnorm 0.500 | skip 0.00 |" in line and "kl_ref" not in line
+    # every score the task gives is a metric of the step
+    assert metrics["em"] == 0.75 and metrics["f1"] == 0.75
+    # step 5 of 20, the first 5 in 100 s: 15 to go at 20 s each
+    line = step_line(metrics, cfg, 0, 100.0)
+    assert "| em 0.750 |" in line and "kl_ref" not in line
+    assert "| kl_old 0.0123 | clip 0.000 | ent 0.900 | gnorm 0.500 | skip 0.00 |" in line
     assert line.endswith("| elapsed 1m40s eta 5m00s")
     metrics.update({"eval/reward": 0.5, "eval/em": 0.5, "eval/f1": 0.625})
-    assert step_line(metrics, cfg, 0, 100.0).endswith("| elapsed 1m40s eta 5m00s | eval reward 0.500 em 0.500")
+    assert step_line(metrics, cfg, 0, 100.0).endswith(
+        "| elapsed 1m40s eta 5m00s | eval reward 0.500 em 0.500")
 
-    # a reference (train.kl_mode=loss): its KL, not the update's; the score reward.metric names; a resumed run's pace
+    # a reference (train.kl_mode=loss): its KL, not the update's; the score reward.metric names;
+    # a resumed run's pace
     cfg = make_config("tiny", ["train.kl_mode=loss", "reward.metric=f1", "steps=4000"])
     metrics = scored_step(cfg, ["84", "7"], kl=0.02)
     line = step_line(metrics, cfg, 3, 40.0)  # resumed at step 3: 2 steps in 40 s, 3,995 to go
-    assert "| f1 0.500 |" in line and "| em " not in line and "| kl_ref 0.0200 |" in line and "kl_old" not in line
+    assert "| f1 0.500 |" in line and "| em " not in line
+    assert "| kl_ref 0.0200 |" in line and "kl_old" not in line
     assert line.endswith("| elapsed 40s eta 22h11m")
 
     # a task whose trajectories have no answer score (TextWorld's won, GSM8K's accuracy): none shown

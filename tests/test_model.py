@@ -148,11 +148,16 @@ def test_a_row_whose_positions_do_not_start_at_0_is_refused_where_it_is_read(tin
     silently (logprobs off by up to 3.5e-2). Refused in the plan, and where a batch's rows are packed."""
     model = load_causal_lm(tiny_model_dir)
     ids = torch.randint(3, model.config.vocab_size, (1, 12))
-    for positions in ([5, 6, 7, 8], [0, 1, 2, 7, 8, 9, 10, 11]):  # no prompt before it; a prompt of 3 tokens, not 7
+    # no prompt before it; a prompt of 3 tokens, not 7
+    for positions in ([5, 6, 7, 8], [0, 1, 2, 7, 8, 9, 10, 11]):
         n = len(positions)
         with pytest.raises(ValueError, match="no segment of at least .* tokens opened at 0 before it"):
-            policy_forward(model, ids[:, :n], torch.tensor([positions]), torch.ones(1, n, dtype=torch.bool).index_fill(1, torch.tensor([0]), False))
-    attention_plan(torch.tensor([[0, 1, 2, 3, 4, 5, 2, 3, 4]]))  # a row's own tokens after a shared prompt of 2: read as one
+            policy_forward(model,
+                           ids[:, :n],
+                           torch.tensor([positions]),
+                           torch.ones(1, n, dtype=torch.bool).index_fill(1, torch.tensor([0]), False))
+    # a row's own tokens after a shared prompt of 2: read as one
+    attention_plan(torch.tensor([[0, 1, 2, 3, 4, 5, 2, 3, 4]]))
     rows, masks = [[5, 6, 7, 8], [5, 6, 9]], [[0, 0, 1, 1], [0, 0, 1]]
     batch = padded.batch_of(rows, masks)
     batch["position_ids"][1] += 3

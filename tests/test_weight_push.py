@@ -31,10 +31,16 @@ class Warnings(logging.Handler):
 @pytest.fixture
 def engine(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    engine = VLLMEngine(tiny_model_dir, stop_token_ids(tok), max_model_len=128, dtype="float32", seed=0, compile=False)
+    engine = VLLMEngine(tiny_model_dir,
+                        stop_token_ids(tok),
+                        max_model_len=128,
+                        dtype="float32",
+                        seed=0,
+                        compile=False)
     yield engine
     del engine
-    from vllm.distributed import cleanup_dist_env_and_memory  # its world of one goes with it (tests/conftest.py: process_group)
+    # its world of one goes with it (tests/conftest.py: process_group)
+    from vllm.distributed import cleanup_dist_env_and_memory
     cleanup_dist_env_and_memory()
 
 
@@ -51,19 +57,24 @@ def test_a_weight_push_warns_only_of_a_layer_with_parameters_left_out(engine, ti
     logger.addHandler(warnings)
     try:
         [before] = engine.llm.apply_model(rotary_tables)
-        assert list(before) == ["model.layers.0.self_attn.rotary_emb.cos_sin_cache"]  # one table, shared by the layers
+        # one table, shared by the layers
+        assert list(before) == ["model.layers.0.self_attn.rotary_emb.cos_sin_cache"]
         logger.removeFilter(keep_reload_warning)  # what vLLM says of a whole push, unfiltered
         engine.load_weights(model.named_parameters(remove_duplicate=False))
         assert warnings.messages == ["RotaryEmbedding: Failed to load weights"]
         [after] = engine.llm.apply_model(rotary_tables)
-        assert all(torch.equal(before[name], after[name]) for name in before)  # the table it warned of, as it was
+        # the table it warned of, as it was
+        assert all(torch.equal(before[name], after[name]) for name in before)
 
         logger.addFilter(keep_reload_warning)
         warnings.messages.clear()
         engine.load_weights(model.named_parameters(remove_duplicate=False))
         assert warnings.messages == []
-        engine.load_weights((name, p) for name, p in model.named_parameters(remove_duplicate=False) if name != "model.norm.weight")
-        assert warnings.messages == ["RMSNorm: Failed to load weights"]  # a layer with parameters left out still warns
+        engine.load_weights((name, p)
+                            for name, p in model.named_parameters(remove_duplicate=False)
+                            if name != "model.norm.weight")
+        # a layer with parameters left out still warns
+        assert warnings.messages == ["RMSNorm: Failed to load weights"]
     finally:
         logger.removeHandler(warnings)
         logger.addFilter(keep_reload_warning)

@@ -17,9 +17,10 @@ One step, top to bottom:
      row), or with rollout.context=last_k the question and the last K turns, each turn a row;
   2. rewards: the task scores each trajectory; the outcome reward sits on the last action token,
      process rewards (a step's) on the last action token of their turn, (kl_mode=reward) -kl_coef * k1;
-     groups without signal (grpo: all outcomes equal, no process reward) and, optionally,
-     trajectories cut by a budget are left out of the update (DAPO); with several ranks, whole
-     groups move between them so that each trains on about as many tokens;
+     groups without signal (grpo: all outcomes equal, no process reward), trajectories whose
+     environment failed and, optionally, those cut by a budget are left out of the update (DAPO;
+     nanoagent/batch.py); with several ranks, whole groups move between them so that each trains
+     on about as many tokens;
   3. the engine sleeps; the trainer recomputes old logprobs (unless the update is exactly
      on-policy: then they come from its own forward), reference logprobs and values;
   4. advantages (algo): GAE over action tokens, or over turns with ppo.credit=step (ppo); the
@@ -39,29 +40,31 @@ import random
 import signal
 import sys
 import time
+from functools import partial
 
 import torch
-import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from nanoagent import rl
 from nanoagent.agent import run_agent
+from nanoagent.batch import step_batch
 from nanoagent.checkpoint import check_resume, export_hf, load_latest, resume_checkpoint, save_checkpoint, start_fresh
-from nanoagent.common import MetricsLog, all_reduce, exit_now, init_distributed, print0, seed_everything
+from nanoagent.common import (MetricsLog, all_reduce, exit_now, init_distributed, print0, seed_everything,
+                              stop_on_signals)
 from nanoagent.config import PRESETS, ConfigError, format_config, make_config, reference, save_config, to_dict
 from nanoagent.data import step_prompts
 from nanoagent.engine import SamplingConfig, make_engine, pad_token_id
 from nanoagent.imitation import imitate
 from nanoagent.metrics import evaluate, step_line, step_metrics
-from nanoagent.model import (balance_groups, build_models, collate, critic_forward, forward_all, full_tensors, group_tokens, micro_steps,
-                             old_policy_forward, policy_forward, unpack)
+from nanoagent.model import (balance_groups, build_models, critic_forward, forward_all, full_tensors,
+                             group_tokens, micro_steps, old_policy_forward, policy_forward, unpack)
 from nanoagent.tasks import load_task, task_data
 from nanoagent.tiny import resolve_model
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, epilog=reference(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None, help=f"preset name ({', '.join(PRESETS)}); default: the built-in defaults")
+    parser.add_argument("--config", default=None, help=f"preset: {', '.join(PRESETS)} (default: none)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, dotted keys")
     args = parser.parse_args(argv)
     try:
@@ -76,110 +79,38 @@ def parse_args(argv):
 
 
 # -----------------------------------------------------------------------------
-# the task and the rewards
-
-def token_rewards(trajs, batch, tool_call_reward):
-    """([R, L] all rewards, [R, L] the process rewards among them) on the batch's action tokens: the
-    outcome on the trajectory's last; on each turn's last, its step reward, plus tool_call_reward
-    when it is not the last turn and its tool calls all succeeded."""
-    rewards, process = torch.zeros_like(batch["action_mask"]), torch.zeros_like(batch["action_mask"])
-    for t, steps in zip(trajs, batch["steps"]):
-        for turn, (row, _, end) in enumerate(steps):
-            calls = [c for c in t.tool_calls if c.turn == turn]
-            succeeded = turn < len(steps) - 1 and calls and not any(c.error for c in calls)
-            process[row, end - 1] += t.step_rewards[turn] + (tool_call_reward if succeeded else 0.0)
-        rewards[steps[-1][0], steps[-1][2] - 1] += t.reward  # (row, start, end) of the last turn
-    return rewards + process, process
-
-
-def trained_rows(trajs, outcomes, process_size, groups, cfg):
-    """
-    Which trajectories the update trains on ([B] float, 1 or 0), and how many are left out for each
-    reason. DAPO's dynamic sampling (grpo.drop_uniform_groups): a grpo/rloo group whose outcomes are all
-    equal, among the trajectories that count in its baseline, and which earned no process reward
-    (process_size: [B] each trajectory's process rewards summed in absolute value) has advantages all 0. DAPO's overlong filtering
-    (train.overlong_filter): a trajectory that a budget ended is not trained on; nor is one whose
-    environment failed.
-    """
-    counted = counted_in_baseline(trajs)
-    uniform = torch.zeros(len(trajs), dtype=torch.bool)
-    if cfg.algo in ("grpo", "rloo") and cfg.grpo.drop_uniform_groups and counted.any():
-        c = counted.nonzero().flatten()
-        uniform[c] = rl.uniform_groups(outcomes[c], groups[c]) & rl.uniform_groups(process_size[c], groups[c]) & (process_size[c] == 0)
-        uniform |= groups.unsqueeze(1).eq(groups[uniform].unsqueeze(0)).any(1)  # a group's left-out members go with it
-    overlong = torch.tensor([cfg.train.overlong_filter and t.finish_reason in ("truncated", "context_budget") for t in trajs])
-    return (~uniform & ~overlong & counted).float(), {"dropped_uniform": uniform.sum().item(), "dropped_overlong": (overlong & ~uniform).sum().item(),
-                                                      "dropped_env_error": (~counted & ~uniform & ~overlong).sum().item()}
-
-
-def counted_in_baseline(trajs):
-    """
-    [B] bool: the trajectories that count in their group's baseline (grpo, rloo and
-    reinforce_plus_plus_baseline: its mean and std; reinforce: the batch mean). Every sample of the
-    policy counts with the reward it earned, trained or not: an overlong one left out of the update is
-    still what the policy does. One whose environment failed (env_error) counts nowhere: its reward
-    says nothing of the policy.
-    """
-    return torch.tensor([t.finish_reason != "env_error" for t in trajs], dtype=torch.bool)
-
-
-def step_batch(trajs, pad_id, cfg):
-    """
-    The step's rows (collate: one per trajectory, or per turn with last_k); rewards and process [R, L]
-    on the action tokens that train (the others get mask 0 and no forward pass); scores, per trajectory
-    [B]: "outcome" (its reward), "earned" (its process rewards summed), "group" (group_size consecutive
-    trajectories), "counted" (counted_in_baseline) and "trained"; kept (the rows that train) and
-    dropped (trained_rows).
-    """
-    batch = collate(trajs, pad_id)
-    owner = batch["trajectory"]
-    rewards, process = token_rewards(trajs, batch, cfg.train.tool_call_reward)
-    outcomes = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-    earned = torch.zeros(len(trajs)).index_add_(0, owner, process.sum(-1))
-    groups = torch.arange(len(trajs) // cfg.rollout.group_size).repeat_interleave(cfg.rollout.group_size)
-    keep, dropped = trained_rows(trajs, outcomes, torch.zeros(len(trajs)).index_add_(0, owner, process.abs().sum(-1)), groups, cfg)
-    mask = batch["action_mask"] = batch["action_mask"] * keep[owner][:, None]
-    scores = {"outcome": outcomes, "earned": earned, "group": groups, "counted": counted_in_baseline(trajs), "trained": keep > 0}
-    return batch, rewards * mask, process * mask, scores, keep[owner].nonzero().flatten().tolist(), dropped
-
-
-def baselined(fn, scores, groups, counted):
-    """fn(scores, groups) (a group baseline: rl.grpo_advantages, rl.rloo_advantages) over the counted
-    trajectories only, as if the others had not been sampled; 0 for the others, which do not train."""
-    out, c = torch.zeros(len(scores)), counted.nonzero().flatten()
-    if len(c):
-        out[c] = fn(scores[c], groups[c])
-    return out
-
+# the advantages
 
 def critic_free_advantages(batch, rewards, process, scores, cfg):
     """
-    [R, L] the advantages of the estimators without a critic, on the trained action tokens (rewards and
-    process as step_batch gives them, with the KL penalty in rewards when kl_mode=reward): the outcome
-    against a baseline of the counted trajectories (grpo: its group's mean and std; rloo: the mean of its
-    group's others; reinforce: the batch mean) plus the process rewards still to come; REINFORCE++:
-    discounted token returns, or every reward of the trajectory minus its group's mean, whitened over the
-    trained tokens of the batch (all ranks).
+    [R, L] the advantages of the estimators without a critic, on the trained action tokens (step_batch's
+    rewards, with -kl_coef * k1 in them under kl_mode=reward, and process): the outcome against a baseline
+    of the counted trajectories (grpo: its group's mean and std; rloo: the mean of its group's others;
+    reinforce: the batch mean) plus the process rewards still to come; REINFORCE++: discounted token
+    returns, or every reward of the trajectory minus its group's mean, whitened over the trained tokens.
     """
-    mask, owner, groups, counted = batch["action_mask"], batch["trajectory"], scores["group"], scores["counted"]
+    mask, owner, steps = batch["action_mask"], batch["trajectory"], batch["steps"]
+    outcomes, groups, counted = scores["outcome"], scores["group"], scores["counted"]
     if cfg.algo == "reinforce_plus_plus":
-        return rl.whiten(rl.discounted_returns(rewards, mask, batch["steps"], cfg.ppo.gamma), mask, all_reduce=all_reduce)
+        returns = rl.discounted_returns(rewards, mask, steps, cfg.ppo.gamma)
+        return rl.whiten(returns, mask, all_reduce=all_reduce)
     if cfg.algo == "reinforce_plus_plus_baseline":
-        # every reward of the trajectory: a trained one's as the update sees them (its KL penalty included), a left-out one's
-        # outcome and process rewards (no logprobs were computed for it, so no KL)
+        # a trained trajectory's rewards as the update sees them, KL penalty included; a left-out one's
+        # outcome and process rewards (no logprobs were computed for it: no KL)
         trained_totals = torch.zeros(len(counted)).index_add_(0, owner, rewards.sum(-1))
-        totals = torch.where(scores["trained"], trained_totals, scores["outcome"] + scores["earned"])
-        centred = baselined(lambda s, g: rl.grpo_advantages(s, g, scale_by_std=False), totals, groups, counted)
+        totals = torch.where(scores["trained"], trained_totals, outcomes + scores["earned"])
+        centre = partial(rl.grpo_advantages, scale_by_std=False)
+        centred = rl.subset_advantages(centre, totals, groups, counted)
         return rl.whiten(centred[owner][:, None] * mask, mask, all_reduce=all_reduce)
-    outcomes = scores["outcome"]
     if cfg.algo == "grpo":
-        advantages = baselined(lambda s, g: rl.grpo_advantages(s, g, cfg.grpo.eps, cfg.grpo.scale_by_std), outcomes, groups, counted)
+        grpo = partial(rl.grpo_advantages, eps=cfg.grpo.eps, scale_by_std=cfg.grpo.scale_by_std)
+        advantages = rl.subset_advantages(grpo, outcomes, groups, counted)
     elif cfg.algo == "rloo":
-        advantages = baselined(rl.rloo_advantages, outcomes, groups, counted)
+        advantages = rl.subset_advantages(rl.rloo_advantages, outcomes, groups, counted)
     else:  # reinforce
         total, count = all_reduce([outcomes[counted].sum().item(), counted.sum().item()])
         advantages = outcomes - total / max(count, 1)
-    return rl.outcome_token_advantages(advantages, process, mask, batch["steps"])
+    return rl.outcome_token_advantages(advantages, process, mask, steps)
 
 
 # -----------------------------------------------------------------------------
@@ -188,17 +119,6 @@ def critic_free_advantages(batch, rewards, process, scores, cfg):
 def loss_units(batch, cfg):
     """[R, L] each token's unit in train.loss_agg's mean: its step (step_mean_token_mean), else its trajectory."""
     return batch["step"] if cfg.train.loss_agg == "step_mean_token_mean" else batch["trajectory"][:, None].expand_as(batch["action_mask"])
-
-
-def request_stop(stop, signum):
-    """A SIGTERM's or Ctrl-C's handler: the loop stops at its next safe point (stop["signal"]); a
-    second Ctrl-C raises KeyboardInterrupt, as Ctrl-C does by default."""
-    if signum == signal.SIGINT and stop["signal"] == signal.SIGINT:
-        raise KeyboardInterrupt
-    if not stop["signal"] and dist.get_rank() == 0:  # a raw write: a print here could land inside the loop's own print
-        os.write(sys.stderr.fileno(), f"{signal.Signals(signum).name}: a checkpoint at the next safe point, then stopping"
-                 f"{' (Ctrl-C again to abort)' if signum == signal.SIGINT else ''}\n".encode())
-    stop["signal"] = stop["signal"] or signum
 
 
 def get_lr(step, base_lr, warmup_steps):
@@ -320,8 +240,9 @@ def main(argv=None):
     if per_rank * world != cfg.rollout.prompts_per_step or cfg.ppo.mini_batch_size % world:
         raise ConfigError(f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) and ppo.mini_batch_size "
                           f"({cfg.ppo.mini_batch_size}) must be multiples of the number of ranks ({world})")
-    # resume=auto continues from the latest complete checkpoint, with this command line's config where a key may change
-    # (checkpoint.CHANGEABLE); resume=never starts a new run (a used run_dir is moved aside, once the start succeeded)
+    # resume=auto continues from the latest complete checkpoint, with this command line's config where a
+    # key may change (checkpoint.CHANGEABLE); resume=never starts a new run (the old one moved aside once
+    # everything is built)
     checkpoint = resume_checkpoint(cfg.run_dir) if cfg.resume == "auto" else None
     for change in check_resume(checkpoint, cfg) if checkpoint else []:
         print0(f"resume changes {change}")
@@ -356,12 +277,9 @@ def main(argv=None):
         metrics = {"step": 0, **evaluate(engine, env, task, val_rows, cfg, rank, world)}
         print0("step    0 | " + " | ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k != "step"))
         log.log(metrics)
-    # A SIGTERM (a preemption: torchrun passes it on, and kills 30 s later) or a Ctrl-C (SIGINT; torchrun passes it on too)
-    # is acted on at the next safe point, after the rollout or the update, on every rank together: checkpoint, then exit
-    # 128 + the signal (143, 130: a scheduler sees a run that did not finish). A second Ctrl-C aborts at once.
-    stop = {"signal": 0}
-    signal.signal(signal.SIGTERM, lambda signum, _: request_stop(stop, signum))
-    signal.signal(signal.SIGINT, lambda signum, _: request_stop(stop, signum))
+    # A SIGTERM (a preemption) or a Ctrl-C is acted on at the next safe point, after the rollout or the
+    # update, on every rank together: checkpoint, then exit 128 + the signal (143, 130: a run not finished)
+    stop = stop_on_signals()
     saved_step = start_step if checkpoint else None
 
     def save(step):
@@ -380,8 +298,10 @@ def main(argv=None):
         trajs = run_agent(engine, env, [p for p in prompts for _ in range(cfg.rollout.group_size)], sampling, cfg.rollout.max_turns,
                           cfg.rollout.max_context_tokens, seed=cfg.seed * 100_003 + step * world + rank)
         engine.sleep()
-        if (stopping := int(all_reduce([stop["signal"]], "max")[0])):  # the rollout is dropped; the state this step started from is saved
-            print0(f"{signal.Signals(stopping).name} during step {step + 1}'s rollout: checkpoint of step {step}, stopping")
+        # a SIGTERM or Ctrl-C: the rollout is dropped, and the state this step started from is saved
+        if (stopping := int(all_reduce([stop["signal"]], "max")[0])):
+            name = signal.Signals(stopping).name
+            print0(f"{name} during step {step + 1}'s rollout: checkpoint of step {step}, stopping")
             if saved_step != step:
                 save(step)
             return 128 + stopping
@@ -389,8 +309,8 @@ def main(argv=None):
         for t in trajs:
             task.score(t, cfg)
         batch, rewards, process, scores, kept, dropped = step_batch(trajs, pad_token_id(tokenizer), cfg)
-        if cfg.train.balance_ranks and world > 1:  # whole groups move between ranks so that each trains on about as many
-            # tokens; the batch is then made again from the trajectories this rank now holds
+        if cfg.train.balance_ranks and world > 1:  # whole groups move between ranks so that each trains on
+            # about as many tokens; the batch is then made again from the trajectories this rank now holds
             trajs = balance_groups(trajs, group_tokens(batch, kept, scores["group"]), cfg.rollout.group_size)
             batch, rewards, process, scores, kept, dropped = step_batch(trajs, pad_token_id(tokenizer), cfg)
         owner, mask = batch["trajectory"], batch["action_mask"]
@@ -412,9 +332,9 @@ def main(argv=None):
         if cfg.train.kl_mode == "reward":  # ppo and reinforce_plus_plus(_baseline) only (config.validate): k1 on every action token
             rewards = rewards - cfg.train.kl_coef * rl.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], "k1") * mask
         t2 = time.perf_counter()
-        # 4. advantages (algo): GAE over the critic's values, per action token or per turn (ppo); without a critic, the
-        # outcome against a baseline of the trajectories that count in it (an env_error counts nowhere) plus the process
-        # rewards still to come, or REINFORCE++'s returns (critic_free_advantages)
+        # 4. advantages (algo): GAE over the critic's values, per action token or per turn (ppo); without a
+        # critic, the outcome against a baseline of the trajectories that count in it (an env_error counts
+        # nowhere) plus the process rewards still to come, or REINFORCE++'s returns (critic_free_advantages)
         if cfg.algo == "ppo":
             values = forward_all(lambda *packed: critic_forward(critic, *packed), batch, kept, cfg.train.micro_batch_tokens, device)
             if cfg.ppo.credit == "token":  # a value per action token
@@ -449,7 +369,8 @@ def main(argv=None):
         if stopping or step + 1 == cfg.steps or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
             saved_step = save(step + 1)
         if stopping:
-            print0(f"{signal.Signals(stopping).name} during step {step + 1}: checkpoint of step {step + 1} written, stopping")
+            name = signal.Signals(stopping).name
+            print0(f"{name} during step {step + 1}: checkpoint of step {step + 1} written, stopping")
             return 128 + stopping
 
     export_dir = os.path.join(cfg.run_dir, "hf")
@@ -461,11 +382,11 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         code = main()
-    except ConfigError as e:  # a setting that cannot work, found once the run had started (its data, a resume): one line,
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # in each node's log
+    except ConfigError as e:  # a setting found unworkable once the run had started (its data, a resume):
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one line in each node's log
             print(f"train.py: error: {e}", file=sys.stderr, flush=True)
         code = 2
     except KeyboardInterrupt:  # a Ctrl-C before the loop (nothing to save yet), or the second one
-        print0("train.py: interrupted; a later run with resume=auto goes on from the last checkpoint, if there is one")
+        print0("train.py: interrupted; resume=auto goes on from the last checkpoint, if there is one")
         code = 130
     exit_now(code)

@@ -11,9 +11,9 @@ Everything here respects that mask exactly:
   boundary before it), and every token of an action shares the step's advantage; a trajectory's
   steps may lie in one row or (each turn with its own context) in a row each;
 - grpo_advantages normalises scores within groups of rollouts of the same prompt, rloo_advantages
-  compares each with the mean of the others; outcome_token_advantages puts a trajectory's outcome
-  advantage on its action tokens and adds the process rewards unnormalised, and uniform_groups
-  finds the groups whose scores are all equal;
+  compares each with the mean of the others (subset_advantages: over some rows alone);
+  outcome_token_advantages puts a trajectory's outcome advantage on its action tokens and adds the
+  process rewards unnormalised, and uniform_groups finds the groups whose scores are all equal;
 - discounted_returns gives REINFORCE++ its per-token returns over a trajectory's action tokens, and
   whiten normalises advantages with statistics of the whole batch;
 - ppo_policy_loss / clipped_value_loss return per-token losses, zero where mask = 0; with segments,
@@ -238,6 +238,15 @@ def whiten(advantages, mask, stats_mask=None, all_reduce=None):
     mean = s / max(n, 1)
     var = (sq - n * mean ** 2) / max(n - 1, 1)
     return (advantages - mean) / math.sqrt(var + 1e-8) * mask
+
+
+def subset_advantages(fn, scores, group_ids, keep):
+    """fn(scores, group_ids) (grpo_advantages, rloo_advantages) over the rows where keep [B] bool is True
+    alone, as if the others had not been sampled; 0 on the others. Returns [B]."""
+    out, kept = torch.zeros_like(scores, dtype=torch.float32), keep.nonzero().flatten()
+    if len(kept):
+        out[kept] = fn(scores[kept], group_ids[kept])
+    return out
 
 
 def uniform_groups(scores, group_ids, tol=1e-6):

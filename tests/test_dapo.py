@@ -1,5 +1,5 @@
 """
-DAPO's sampling fixes on hand-built groups: which trajectories train.trained_rows leaves out of the
+DAPO's sampling fixes on hand-built groups: which trajectories batch.trained_rows leaves out of the
 update (groups whose advantages are all 0; trajectories cut by a budget; environment failures), and
 what a trajectory left out contributes to the advantages of those trained. That a rank left with
 no rows still trains in step with the others: test_distributed.py.
@@ -13,6 +13,7 @@ import torch
 import train
 from nanoagent import rl
 from nanoagent.agent import Trajectory, observe
+from nanoagent.batch import counted_in_baseline, step_batch, trained_rows
 from nanoagent.config import make_config
 from nanoagent.env import ChatEnv
 from nanoagent.tools import ToolCalling, ToolRunner
@@ -26,47 +27,51 @@ NO_PROCESS = torch.zeros(8)  # each trajectory's process rewards, summed in abso
 
 
 def trajectories():
-    return [Trajectory(sample={"id": str(g)}, prompt_ids=[1, 2], messages=[], finish_reason=f) for g, f in zip(GROUPS.tolist(), FINISH)]
+    return [Trajectory(sample={"id": str(g)}, prompt_ids=[1, 2], messages=[], finish_reason=f)
+            for g, f in zip(GROUPS.tolist(), FINISH)]
+
+
+def left_out(overrides, trajs=None, process_size=NO_PROCESS):
+    """batch.trained_rows on the hand-built groups: (which train, as a list; the counts left out)."""
+    trajs = trajs or trajectories()
+    cfg = make_config("tiny", overrides)
+    keep, counts = trained_rows(trajs, SCORES, process_size, GROUPS, counted_in_baseline(trajs), cfg)
+    return keep.tolist(), counts
+
+
+def dropped(uniform=0, overlong=0, env_error=0):
+    return {"dropped_uniform": uniform, "dropped_overlong": overlong, "dropped_env_error": env_error}
 
 
 def test_uniform_groups_are_dropped_with_grpo_by_default():
-    keep, dropped = train.trained_rows(trajectories(), SCORES, NO_PROCESS, GROUPS, make_config("tiny", ["algo=grpo"]))
-    assert keep.tolist() == [0, 0, 1, 1, 1, 1, 0, 0]
-    assert dropped == {"dropped_uniform": 4, "dropped_overlong": 0, "dropped_env_error": 0}
+    assert left_out(["algo=grpo"]) == ([0, 0, 1, 1, 1, 1, 0, 0], dropped(uniform=4))
 
 
 def test_overlong_trajectories_are_dropped_when_asked():
     """truncated and context_budget are cuts by a token budget; max_turns is not. A cut trajectory
     in a group with signal is left out, and its group is not (its other members train). Each dropped
     trajectory is counted once: the reasons' fractions and the trained one add up to 1."""
-    cfg = make_config("tiny", ["algo=grpo", "train.overlong_filter=true"])
-    keep, dropped = train.trained_rows(trajectories(), SCORES, NO_PROCESS, GROUPS, cfg)
-    assert keep.tolist() == [0, 0, 1, 0, 1, 1, 0, 0]
-    assert dropped == {"dropped_uniform": 4, "dropped_overlong": 1, "dropped_env_error": 0}
+    trained = [0, 0, 1, 0, 1, 1, 0, 0]
+    assert left_out(["algo=grpo", "train.overlong_filter=true"]) == (trained, dropped(uniform=4, overlong=1))
 
 
 def test_nothing_is_dropped_when_off_or_with_ppo():
     for overrides in (["algo=grpo", "grpo.drop_uniform_groups=false"], ["algo=ppo"]):
-        keep, dropped = train.trained_rows(trajectories(), SCORES, NO_PROCESS, GROUPS, make_config("tiny", overrides))
-        assert keep.tolist() == [1] * 8 and dropped == {"dropped_uniform": 0, "dropped_overlong": 0, "dropped_env_error": 0}, overrides
-    cfg = make_config("tiny", ["algo=ppo", "train.overlong_filter=true"])
-    keep, dropped = train.trained_rows(trajectories(), SCORES, NO_PROCESS, GROUPS, cfg)
-    assert keep.tolist() == [1, 0, 1, 0, 1, 1, 0, 0] and dropped == {"dropped_uniform": 0, "dropped_overlong": 4, "dropped_env_error": 0}
+        assert left_out(overrides) == ([1] * 8, dropped()), overrides
+    trained = [1, 0, 1, 0, 1, 1, 0, 0]
+    assert left_out(["algo=ppo", "train.overlong_filter=true"]) == (trained, dropped(overlong=4))
 
 
 def test_trajectories_whose_environment_failed_are_not_trained_on():
     """env_error is left out whatever the algorithm and filters (its reward says nothing of the
     policy), and counted once: as dropped_env_error only when its group is not dropped already. It
-    counts nowhere in its group either: group 1's other member is then alone, with no baseline (uniform)."""
+    counts nowhere in its group either: group 1's other member is then alone, with no baseline."""
     trajs = trajectories()
     trajs[0].finish_reason = trajs[2].finish_reason = "env_error"  # in a uniform group, and in one with signal
-    keep, dropped = train.trained_rows(trajs, SCORES, NO_PROCESS, GROUPS, make_config("tiny", ["algo=grpo"]))
-    assert keep.tolist() == [0, 0, 0, 0, 1, 1, 0, 0] and dropped == {"dropped_uniform": 6, "dropped_overlong": 0, "dropped_env_error": 0}
+    assert left_out(["algo=grpo"], trajs) == ([0, 0, 0, 0, 1, 1, 0, 0], dropped(uniform=6))
     trajs[4].finish_reason = "env_error"  # in group 2, with a member whose outcome differs
-    keep, dropped = train.trained_rows(trajs, SCORES, NO_PROCESS, GROUPS, make_config("tiny", ["algo=grpo", "grpo.drop_uniform_groups=false"]))
-    assert keep.tolist() == [0, 1, 0, 1, 0, 1, 1, 1] and dropped == {"dropped_uniform": 0, "dropped_overlong": 0, "dropped_env_error": 3}
-    keep, dropped = train.trained_rows(trajs, SCORES, NO_PROCESS, GROUPS, make_config("tiny", ["algo=ppo"]))
-    assert keep.tolist() == [0, 1, 0, 1, 0, 1, 1, 1] and dropped == {"dropped_uniform": 0, "dropped_overlong": 0, "dropped_env_error": 3}
+    for overrides in (["algo=grpo", "grpo.drop_uniform_groups=false"], ["algo=ppo"]):
+        assert left_out(overrides, trajs) == ([0, 1, 0, 1, 0, 1, 1, 1], dropped(env_error=3)), overrides
 
 
 def test_a_group_is_dropped_exactly_when_its_advantages_are_all_zero():
@@ -77,12 +82,11 @@ def test_a_group_is_dropped_exactly_when_its_advantages_are_all_zero():
     left out are exactly those whose advantages are all 0."""
     process = torch.zeros(8, 4)
     process[4, 1] = process[6, 1] = process[7, 1] = 0.1  # groups 2 and 3; group 3's outcomes are equal
-    cfg = make_config("tiny", ["algo=grpo", "train.tool_call_reward=0.1"])
-    keep, dropped = train.trained_rows(trajectories(), SCORES, process.abs().sum(-1), GROUPS, cfg)
-    assert keep.tolist() == [0, 0, 1, 1, 1, 1, 1, 1] and dropped == {"dropped_uniform": 2, "dropped_overlong": 0, "dropped_env_error": 0}
-    advantages = rl.outcome_token_advantages(rl.grpo_advantages(SCORES, GROUPS), process, MASK, STEPS)  # [8, 4], a row per trajectory
+    keep, counts = left_out(["algo=grpo", "train.tool_call_reward=0.1"], process_size=process.abs().sum(-1))
+    assert (keep, counts) == ([0, 0, 1, 1, 1, 1, 1, 1], dropped(uniform=2))
+    advantages = rl.outcome_token_advantages(rl.grpo_advantages(SCORES, GROUPS), process, MASK, STEPS)
     no_signal = [bool(advantages[GROUPS == g].eq(0).all()) for g in GROUPS.tolist()]
-    assert no_signal == (keep == 0).tolist()
+    assert no_signal == [k == 0 for k in keep]
 
 
 # -----------------------------------------------------------------------------
@@ -92,8 +96,9 @@ def test_a_group_is_dropped_exactly_when_its_advantages_are_all_zero():
 
 def two_token_trajectories(rewards, finish):
     """One trajectory per reward: a 2-token prompt and one turn of 2 action tokens."""
-    return [Trajectory(sample={"id": str(n)}, prompt_ids=[1, 2], messages=[], response_ids=[5, 6], action_mask=[1, 1],
-                       rollout_logprobs=[0.0, 0.0], turn_spans=[(0, 2)], step_rewards=[0.0], reward=r, finish_reason=f)
+    return [Trajectory(sample={"id": str(n)}, prompt_ids=[1, 2], messages=[], response_ids=[5, 6],
+                       action_mask=[1, 1], rollout_logprobs=[0.0, 0.0], turn_spans=[(0, 2)],
+                       step_rewards=[0.0], reward=r, finish_reason=f)
             for n, (r, f) in enumerate(zip(rewards, finish))]
 
 
@@ -101,7 +106,7 @@ def advantages(trajs, overrides):
     """Each trajectory's advantage (on its first action token) as train.py computes it, with groups of 4
     (the batch statistics are summed over a world of one: the process_group fixture)."""
     cfg = make_config("tiny", ["rollout.group_size=4", *overrides])
-    batch, rewards, process, scores, _, _ = train.step_batch(trajs, 0, cfg)
+    batch, rewards, process, scores, _, _ = step_batch(trajs, 0, cfg)
     return train.critic_free_advantages(batch, rewards, process, scores, cfg)[:, 2].tolist()
 
 
@@ -119,12 +124,13 @@ def test_an_overlong_trajectory_counts_in_its_groups_baseline_with_its_reward(pr
     too (its totals summed from the rewards of the trained tokens once made a left-out one's total 0:
     group means 0.25 and 0.5, advantages 1.406 and 0.914)."""
     trajs = two_token_trajectories([1, 1, 0, 0, 1, 1, 0, 0], ["truncated"] + ["done"] * 7)
-    expected = whitened([0.5, -0.5, -0.5, 0.5, 0.5, -0.5, -0.5])[0]  # the trained ones' rewards minus their group's mean
+    expected = whitened([0.5, -0.5, -0.5, 0.5, 0.5, -0.5, -0.5])[0]  # the trained ones' rewards, centred
     assert expected == pytest.approx(1.113, abs=1e-3)
     adv = advantages(trajs, ["algo=reinforce_plus_plus_baseline", "train.overlong_filter=true"])
-    assert adv[0] == 0 and adv[1] == pytest.approx(expected, abs=1e-5) and adv[4] == pytest.approx(expected, abs=1e-5)
-    adv = advantages(trajs, ["algo=grpo", "train.overlong_filter=true"])  # GRPO's: (1 - 0.5) / std of [1, 1, 0, 0]
-    assert adv[0] == 0 and adv[1] == pytest.approx(adv[4]) and adv[1] == pytest.approx(0.5 / math.sqrt(1 / 3), abs=1e-5)
+    assert adv[0] == 0 and adv[1] == pytest.approx(expected, abs=1e-5) == adv[4]
+    adv = advantages(trajs, ["algo=grpo", "train.overlong_filter=true"])  # (1 - 0.5) / std of [1, 1, 0, 0]
+    assert adv[0] == 0 and adv[1] == pytest.approx(adv[4])
+    assert adv[1] == pytest.approx(0.5 / math.sqrt(1 / 3), abs=1e-5)
 
 
 @pytest.mark.parametrize("algo", ["grpo", "rloo", "reinforce", "reinforce_plus_plus_baseline"])
@@ -133,12 +139,14 @@ def test_an_env_error_trajectory_changes_no_advantage(algo, process_group):
     neither trained nor in a baseline. GRPO on [env_error, 1, 1, 0]: the kept rows get [0.577, 0.577,
     -1.155], as from a group of [1, 1, 0] (with it in the baseline: [0.866, 0.866, -0.866])."""
     finish = ["env_error"] + ["done"] * 7
-    runs = [advantages(two_token_trajectories([r, 1, 1, 0, 1, 0, 0, 0], finish), [f"algo={algo}"]) for r in (0.0, 1.0, 7.0)]
-    assert runs[0][0] == 0 and runs[0] == pytest.approx(runs[1], abs=1e-6) and runs[0] == pytest.approx(runs[2], abs=1e-6)
+    first, *others = [advantages(two_token_trajectories([r, 1, 1, 0, 1, 0, 0, 0], finish), [f"algo={algo}"])
+                      for r in (0.0, 1.0, 7.0)]
+    assert first[0] == 0 and all(first == pytest.approx(other, abs=1e-6) for other in others)
     if algo == "grpo":
-        assert runs[0][1:4] == pytest.approx([1 / math.sqrt(3), 1 / math.sqrt(3), -2 / math.sqrt(3)], abs=1e-5)
+        assert first[1:4] == pytest.approx([1 / math.sqrt(3), 1 / math.sqrt(3), -2 / math.sqrt(3)], abs=1e-5)
     if algo == "reinforce_plus_plus_baseline":  # group means 2/3 (not 1/2, as with it counted as 0) and 1/4
-        assert runs[0][1:] == pytest.approx(whitened([1 / 3, 1 / 3, -2 / 3, 0.75, -0.25, -0.25, -0.25]), abs=1e-5)
+        expected = whitened([1 / 3, 1 / 3, -2 / 3, 0.75, -0.25, -0.25, -0.25])
+        assert first[1:] == pytest.approx(expected, abs=1e-5)
 
 
 def test_a_cut_turn_that_the_environment_ended_is_done_unless_the_environment_read_the_cut():
@@ -159,9 +167,10 @@ def test_a_cut_turn_that_the_environment_ended_is_done_unless_the_environment_re
     for make, reply, finish in cases:
         env = ChatEnv(make, tokenizer=None)
         t = Trajectory(sample={"id": reply}, prompt_ids=[1], messages=[], env=make())
-        observe(t, env, env.start(t.env, reply), reply, ended_with_eos=False, last_turn=False, cut="truncated", max_context_tokens=100)
+        step = env.start(t.env, reply)
+        observe(t, env, step, reply, ended_with_eos=False, last_turn=False, cut="truncated",
+                max_context_tokens=100)
         assert t.finish_reason == finish, reply
     trajs = trajectories()
     trajs[2].finish_reason = "done"  # group 1, [0, 1]: a won game whose reply was cut after its command
-    keep, _ = train.trained_rows(trajs, SCORES, NO_PROCESS, GROUPS, make_config("tiny", ["train.overlong_filter=true"]))
-    assert keep[2] == 1
+    assert left_out(["train.overlong_filter=true"], trajs)[0][2] == 1

@@ -17,6 +17,7 @@ import procs
 import train
 from nanoagent import common, rl
 from nanoagent.agent import scripted_trajectories
+from nanoagent.batch import token_rewards
 from nanoagent.config import make_config
 from nanoagent.data import fit_prompts, step_prompts
 from nanoagent.engine import pad_token_id
@@ -89,7 +90,7 @@ def update_batch(tokenizer, n=6, context="full"):
     for i, t in enumerate(trajs):
         t.reward = (i % 3) / 2
     batch = collate(trajs, pad_token_id(tokenizer))
-    batch["rewards"], batch["process"] = train.token_rewards(trajs, batch, tool_call_reward=0.1)
+    batch["rewards"], batch["process"] = token_rewards(trajs, batch, tool_call_reward=0.1)
     batch["old_logprobs"] = torch.zeros_like(batch["action_mask"])
     batch["advantages"] = torch.randn(batch["action_mask"].shape) * batch["action_mask"]
     return batch

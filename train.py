@@ -55,7 +55,7 @@ from nanoagent.config import PRESETS, ConfigError, format_config, make_config, r
 from nanoagent.data import step_prompts
 from nanoagent.engine import SamplingConfig, make_engine, pad_token_id
 from nanoagent.imitation import imitate
-from nanoagent.metrics import evaluate, step_line, step_metrics
+from nanoagent.metrics import evaluate, idle_stop, step_line, step_metrics
 from nanoagent.model import (balance_groups, build_models, critic_forward, forward_all, full_tensors,
                              group_tokens, micro_steps, old_policy_forward, policy_forward, unpack)
 from nanoagent.tasks import load_task, task_data
@@ -280,7 +280,7 @@ def main(argv=None):
     # A SIGTERM (a preemption) or a Ctrl-C is acted on at the next safe point, after the rollout or the
     # update, on every rank together: checkpoint, then exit 128 + the signal (143, 130: a run not finished)
     stop = stop_on_signals()
-    saved_step = start_step if checkpoint else None
+    saved_step, idle = start_step if checkpoint else None, 0  # idle: steps in a row that trained nothing
 
     def save(step):
         path = save_checkpoint(cfg.run_dir, step, models, optimizers, {"data_position": step * cfg.rollout.prompts_per_step},
@@ -360,14 +360,20 @@ def main(argv=None):
         stopping = int(all_reduce([stop["signal"]], "max")[0])
         metrics = step_metrics(step, trajs, dropped, batch, policy_updates, critic_updates, kl, [t0, t1, t2, t3, t4])
         metrics["lr"] = get_lr(step, cfg.train.lr, cfg.train.warmup_steps)
+        metrics["trained"] = trained / (cfg.rollout.prompts_per_step * cfg.rollout.group_size)  # the fraction of trajectories
         if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.steps) and not stopping:
             metrics.update(evaluate(engine, env, task, val_rows, cfg, rank, world))
         print0(step_line(metrics, cfg, start_step, time.perf_counter() - loop_start))
         log.log(metrics)
 
-        # checkpoints: every save_every steps, at the end, and after a SIGTERM or a Ctrl-C
-        if stopping or step + 1 == cfg.steps or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
+        # checkpoints: every save_every steps, at the end, after a SIGTERM or a Ctrl-C, and when the run stops
+        # because it has trained nothing for train.max_idle_steps steps (every trajectory left out)
+        idle = idle + 1 if trained == 0 else 0
+        idle_out = cfg.train.max_idle_steps and idle >= cfg.train.max_idle_steps
+        if stopping or idle_out or step + 1 == cfg.steps or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
             saved_step = save(step + 1)
+        if idle_out:
+            raise ConfigError(idle_stop(metrics, idle))
         if stopping:
             name = signal.Signals(stopping).name
             print0(f"{name} during step {step + 1}: checkpoint of step {step + 1} written, stopping")

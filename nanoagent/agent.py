@@ -47,7 +47,7 @@ from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
-from nanoagent.engine import stop_token_ids
+from nanoagent.tools import CALL_END
 
 FINISH_REASONS = ("done", "truncated", "context_budget", "max_turns", "env_error")
 
@@ -275,7 +275,6 @@ def scripted_trajectories(env, samples, scripts):
     its environment is done or its script is.
     """
     tokenizer = env.tokenizer
-    stops = set(stop_token_ids(tokenizer))
     trajs = start_trajectories(env, samples, max_context_tokens=float("inf"))
     for turn in range(max(map(len, scripts), default=0)):
         stepping = {}  # step future -> (trajectory, content, ended with EOS)
@@ -283,7 +282,7 @@ def scripted_trajectories(env, samples, scripts):
             if t.finish_reason or turn >= len(script):
                 continue
             ids = tokenizer.encode(script[turn], add_special_tokens=False)
-            ids += [] if ids and ids[-1] in stops else [tokenizer.eos_token_id]
+            ids += [] if script[turn].endswith(CALL_END) else [tokenizer.eos_token_id]
             content, ended_with_eos = take_turn(t, ids, None, tokenizer)
             stepping[env.start(t.env, content)] = (t, content, ended_with_eos)
         wait(stepping, timeout=env.step_timeout_s)

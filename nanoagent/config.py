@@ -68,6 +68,7 @@ class RolloutConfig:
     tensor_parallel_size: int = opt(1, "vLLM tensor parallelism for rollout.py and chat.py (one process, several GPUs); train.py takes 1 only")
     context: Literal["full", "last_k"] = opt("full", "what a turn sees: full: the whole trajectory, one growing token row; last_k: the system prompt, the question and the last rollout.keep_turns turns, rendered afresh each turn, each turn trained as a sequence of its own (Agent-R1 v0.1's step context)")
     keep_turns: int = opt(2, "context=last_k: earlier turns (an assistant turn with its tool results) a turn sees")
+    tool_format: Literal["auto", "template", "hermes"] = opt("auto", "how tools and their results are shown: template: by the chat template (tools=, tool messages); hermes: nanoagent's fallback for templates without tools (Qwen2.5's Hermes block in the system turn, results as <tool_response> in a user turn; README: Tool calling); auto: template where it renders tools=, else hermes")
 
 
 @dataclass
@@ -115,6 +116,7 @@ class TrainConfig:
     save_every: int = opt(50, "checkpoint every N steps (0: only at the end and on SIGTERM)")
     keep_last: int = opt(2, "complete checkpoints kept in run_dir (0: all); older ones are deleted once a new one is complete")
     tool_call_reward: float = opt(0.0, "process reward on the last token of each turn whose tool calls all succeeded (grpo, rloo and reinforce add it unnormalised, from its turn on)")
+    max_idle_steps: int = opt(5, "stop the run, saying why, after this many steps in a row that trained nothing (every trajectory left out: groups of equal rewards, budget cuts, failed environments); 0: never")
     warm_start_steps: int = opt(0, "imitation steps on the task's scripted demonstrations before RL (0: none)")
     warm_start_lr: float = opt(1e-3, "learning rate of the imitation warm start")
 
@@ -141,7 +143,7 @@ class LogConfig:
 
 @dataclass
 class Config:
-    model: str = opt("Qwen/Qwen2.5-3B-Instruct", "hub id or local path; 'tiny' builds the tiny test model")
+    model: str = opt("Qwen/Qwen2.5-3B-Instruct", "hub id or local path; 'tiny' builds the tiny test model, 'smollm2-135m' converts the packaged SmolLM2-135M-Instruct (offline)")
     algo: Literal["ppo", "grpo", "rloo", "reinforce", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = opt("grpo", "the advantage: ppo: critic + masked GAE; grpo: outcome normalised in its group; rloo: outcome minus the mean of the group's others; reinforce: outcome minus the batch mean; reinforce_plus_plus: discounted token returns, whitened over the batch; reinforce_plus_plus_baseline: reward minus its group's mean, whitened over the batch")
     steps: int = opt(200, "training steps (one rollout batch each)")
     run_dir: str = opt("out/run", "checkpoints, metrics.jsonl, config.json, the HF export")
@@ -356,7 +358,7 @@ def validate(cfg):
              "eval.num_prompts")
     at_least(0, "steps", "seed", "ppo.clip_low", "ppo.clip_high", "ppo.critic_lr", "ppo.critic_warmup_steps", "grpo.eps", "train.lr",
              "train.weight_decay", "train.warmup_steps", "train.kl_coef", "train.save_every", "train.keep_last", "train.warm_start_steps",
-             "train.warm_start_lr", "reward.answer_weight", "reward.format_weight", "eval.every")
+             "train.warm_start_lr", "train.max_idle_steps", "reward.answer_weight", "reward.format_weight", "eval.every")
     above(0, "rollout.tool_timeout_s", "ppo.value_clip", "train.grad_clip")
     need(cfg.rollout.step_timeout_s > cfg.rollout.tool_timeout_s, f"rollout.step_timeout_s={cfg.rollout.step_timeout_s}: must be > "
          f"rollout.tool_timeout_s ({cfg.rollout.tool_timeout_s}): a step runs its tool calls")

@@ -36,6 +36,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nanoagent.rl import nucleus_mask
+from nanoagent.tools import CALL_END
 
 
 @dataclass
@@ -59,15 +60,21 @@ def pad_token_id(tokenizer):
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def stop_token_ids(tokenizer, stop_tags=("</tool_call>",)):
-    """EOS plus every stop tag that is a single token (the tiny and Qwen2.5 tokenizers: all of them)."""
+def stop_token_ids(tokenizer, stop_tags=(CALL_END,)):
+    """EOS plus every stop tag that is a single token in this tokenizer (the tiny and Qwen2.5 ones: all)."""
     ids = {tokenizer.eos_token_id}
     for tag in stop_tags:
         tag_ids = tokenizer.encode(tag, add_special_tokens=False)
-        if len(tag_ids) != 1:
-            raise ValueError(f"stop tag {tag!r} is {len(tag_ids)} tokens in this tokenizer; nanoagent stops on single-token tags")
-        ids.add(tag_ids[0])
+        if len(tag_ids) == 1:
+            ids.add(tag_ids[0])
     return sorted(i for i in ids if i is not None)
+
+
+def stop_strings(tokenizer, stop_tags=(CALL_END,)):
+    """The stop tags that are several tokens in this tokenizer (SmolLM2's </tool_call>: five). A turn stops
+    at the token that completes one in the text sampled so far, in both engines; its ids are the ones
+    sampled, whichever way the model spelled the tag, and that token's text may go on past the tag."""
+    return [tag for tag in stop_tags if len(tokenizer.encode(tag, add_special_tokens=False)) > 1]
 
 
 # On every weight push vLLM's reload_weights warns "<layer class>: Failed to load weights" for each
@@ -100,7 +107,7 @@ class VLLMEngine:
     continuous_batching = True  # a request may join while others are decoding (run_agent schedules each trajectory on its own)
 
     def __init__(self, model_path, stop_ids, max_model_len, dtype="bfloat16", gpu_memory_utilization=0.5,
-                 tensor_parallel_size=1, seed=0, compile=True):
+                 tensor_parallel_size=1, seed=0, compile=True, stop_strings=()):
         # In-process engine core: the weights must be reachable from this process for reloads.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -128,7 +135,7 @@ class VLLMEngine:
             enable_chunked_prefill=on_gpu,
             max_num_batched_tokens=None if on_gpu else max_model_len,
         )
-        self.stop_ids = list(stop_ids)
+        self.stop_ids, self.stop_strings = list(stop_ids), list(stop_strings)
         self.asleep = False
         PARAMETERLESS_LAYERS.update(*self.llm.apply_model(parameterless_layers))
         # once: the same function is not added twice
@@ -144,10 +151,12 @@ class VLLMEngine:
         # ignore_eos: stop on exactly self.stop_ids (the tokenizer's EOS among them), as HFEngine does. vLLM would
         # also stop on the eos ids of the model's generation_config.json (Qwen2.5-Instruct: <|endoftext|> too),
         # which the chat template never closes a turn with; generation_config="vllm" does not drop them.
+        # Stop strings need the text: vLLM then detokenises as it samples, and keeps every sampled id.
         params = SamplingParams(
             max_tokens=max_new_tokens, temperature=0.0 if sampling.greedy else sampling.temperature,
             top_p=1.0 if sampling.greedy else sampling.top_p, stop_token_ids=self.stop_ids, ignore_eos=True, seed=seed,
-            logprobs=0, detokenize=False, skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY)
+            stop=self.stop_strings, include_stop_str_in_output=True, logprobs=0, detokenize=bool(self.stop_strings),
+            skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY)
         self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), params)
 
     def step(self):
@@ -199,10 +208,11 @@ class HFEngine:
 
     continuous_batching = False  # one generate call per step: run_agent gathers a turn's requests before stepping
 
-    def __init__(self, model_path, stop_ids, pad_id, dtype="bfloat16", device=None, seed=0):
+    def __init__(self, model_path, stop_ids, pad_id, dtype="bfloat16", device=None, seed=0, stop_strings=(), tokenizer=None):
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device).eval()
-        self.stop_ids = list(stop_ids)
+        self.stop_ids, self.stop_strings = list(stop_ids), list(stop_strings)
+        self.tokenizer = tokenizer  # decodes the tail of each row for the stop strings
         self.pad_id = pad_id
         self.generator_seed = seed
         self.queued = []  # (request_id, prompt_ids, sampling, max_new_tokens, seed) waiting for step()
@@ -249,10 +259,9 @@ class HFEngine:
             attention_mask[i, width - len(p):] = 1
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)  # [B, W]
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, W]: each row counts from its first token
-        stop_ids = torch.tensor(self.stop_ids, dtype=torch.long, device=self.device)
-        last_step = torch.tensor(budgets, device=self.device) - 1    # [B]
-        done = torch.zeros(len(prompts), dtype=torch.bool, device=self.device)
-        cache, new_ids, new_logprobs = None, [], []                   # per step: [B], [B]
+        rows, finish = [[] for _ in prompts], [None] * len(prompts)  # each row's sampled ids up to where it stopped, and why
+        tail = max(map(len, self.stop_strings), default=0) + 1  # a stop string's characters span at most this many tokens
+        cache, new_logprobs = None, []                                # per step: [B]
         for step in range(max(budgets)):
             # The model makes a DynamicCache on the first call (the prompts); each later call feeds
             # one token per row and the cache grows by one position. Only the last position's logits.
@@ -266,25 +275,22 @@ class HFEngine:
                 next_ids = logprobs.argmax(-1)                                          # [B]
             else:
                 next_ids = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
-            new_ids.append(next_ids)
             new_logprobs.append(logprobs.gather(-1, next_ids[:, None]).squeeze(-1))
-            # A finished row keeps decoding (its extra tokens are cut below) until every row is done.
-            done |= torch.isin(next_ids, stop_ids) | (step >= last_step)
-            if done.all():
+            # A finished row keeps decoding (its extra tokens are dropped) until every row is done.
+            for i, token in enumerate(next_ids.tolist()):
+                if finish[i] is None:
+                    rows[i].append(token)
+                    if token in self.stop_ids or any(tag in self.tokenizer.decode(rows[i][-tail:]) for tag in self.stop_strings):
+                        finish[i] = "stop"
+                    elif step + 1 >= budgets[i]:
+                        finish[i] = "length"
+            if all(finish):
                 break
             input_ids = next_ids[:, None]                                               # [B, 1]
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(prompts), 1)], -1)
             position_ids = position_ids[:, -1:] + 1
-        new_ids = torch.stack(new_ids, 1).tolist()                                      # [B, S]
         new_logprobs = torch.stack(new_logprobs, 1).tolist()                            # [B, S]
-        gens = []
-        for ids, lps, budget in zip(new_ids, new_logprobs, budgets):
-            end = next((t + 1 for t, tok in enumerate(ids[:budget]) if tok in self.stop_ids), None)
-            if end is None:
-                gens.append(Generation(ids[:budget], lps[:budget], "length"))
-            else:
-                gens.append(Generation(ids[:end], lps[:end], "stop"))
-        return gens
+        return [Generation(ids, lps[:len(ids)], reason) for ids, lps, reason in zip(rows, new_logprobs, finish)]
 
     @torch.no_grad()
     def load_weights(self, named_tensors):
@@ -311,14 +317,15 @@ def make_engine(kind, model_path, tokenizer, max_model_len, dtype="bfloat16", gp
                 tensor_parallel_size=1, seed=0, compile=True):
     """The engine the config asks for. 'auto' is vLLM where it is installed, else the fallback;
     'vllm' refuses clearly when vLLM is not installed. compile: vLLM's (the fallback runs eager)."""
-    stop_ids = stop_token_ids(tokenizer)
+    stop_ids, strings = stop_token_ids(tokenizer), stop_strings(tokenizer)
     has_vllm = importlib.util.find_spec("vllm") is not None
     if kind == "auto":
         kind = "vllm" if has_vllm else "hf"
     if kind == "vllm":
         if not has_vllm:
             raise RuntimeError("rollout.engine=vllm but vLLM is not installed here; use rollout.engine=hf")
-        return VLLMEngine(model_path, stop_ids, max_model_len, dtype, gpu_memory_utilization, tensor_parallel_size, seed, compile)
+        return VLLMEngine(model_path, stop_ids, max_model_len, dtype, gpu_memory_utilization, tensor_parallel_size, seed, compile,
+                          strings)
     if kind == "hf":
-        return HFEngine(model_path, stop_ids, pad_token_id(tokenizer), dtype, seed=seed)
+        return HFEngine(model_path, stop_ids, pad_token_id(tokenizer), dtype, seed=seed, stop_strings=strings, tokenizer=tokenizer)
     raise ValueError(f"unknown engine {kind!r}; valid: auto, vllm, hf")

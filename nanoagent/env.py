@@ -45,7 +45,8 @@ import re
 import threading
 from concurrent.futures import Future, InvalidStateError
 
-from nanoagent.tools import ToolCalling, ToolRunner
+from nanoagent.config import ConfigError
+from nanoagent.tools import CALL_END, ToolCalling, ToolRunner, hermes_messages
 
 TRUNCATION_MARK = "\n[truncated]"
 TEXT_MARKER = "\x00environment text\x00"  # rendered in place of environment text, then split on (encode_rendered)
@@ -58,15 +59,25 @@ class ChatEnv:
     background (start), and the conversations rendered as ids under one tokenizer and chat template.
     schemas: the tools the template lists in the system turn (a tool task's; none for a game).
     context: what a turn sees, the whole trajectory ("full") or the prompt and the last keep_turns
-    turns ("last_k"); max_obs_tokens: the budget of each observation message.
+    turns ("last_k"); max_obs_tokens: the budget of each observation message. tool_format: how the
+    tools and their results are shown (rollout.tool_format): "template", by the chat template's own
+    tools= and tool messages; "hermes", nanoagent's fallback (tools.hermes_messages), for templates
+    without tools; "auto", the template's when it renders tools=, else hermes.
     """
 
-    def __init__(self, make, tokenizer, schemas=(), max_obs_tokens=512, context="full", keep_turns=2, step_timeout_s=120.0):
+    def __init__(self, make, tokenizer, schemas=(), max_obs_tokens=512, context="full", keep_turns=2, step_timeout_s=120.0,
+                 tool_format="auto"):
         if context not in ("full", "last_k") or keep_turns < 1:
             raise ValueError(f"context={context!r}, keep_turns={keep_turns}: context is full or last_k, keep_turns >= 1")
         self.make = make
         self.tokenizer = tokenizer
         self.schemas = list(schemas)
+        shows_tools = not self.schemas or template_shows_tools(tokenizer)
+        if tool_format == "template" and not shows_tools:
+            raise ConfigError("rollout.tool_format=template, but the model's chat template ignores tools= (it renders the "
+                              "same text with and without them): the model would never see its tools. Use "
+                              "rollout.tool_format=hermes (or auto), nanoagent's fallback tool format (README: Tool calling)")
+        self.hermes = bool(self.schemas) and (tool_format == "hermes" or not shows_tools)
         self.max_obs_tokens = max_obs_tokens
         self.context = context
         self.keep_turns = keep_turns
@@ -177,8 +188,43 @@ class ChatEnv:
         return ids
 
     def render(self, messages, add_generation_prompt=False):
+        if self.hermes:
+            return self.tokenizer.apply_chat_template(hermes_messages(messages, self.schemas), tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
         return self.tokenizer.apply_chat_template(messages, tools=self.schemas or None, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
+
+    def check(self):
+        """
+        Refuse, before any model is built, a tokenizer or chat template that a rollout would fail on
+        (ConfigError, with what to do): no chat template or EOS token, an end-of-call tag the tokenizer
+        cannot write, a template that leaves the tools out, or that does not render a tool call, a tool
+        result, an observation after EOS the way the trajectory's tokens need (observation_ids).
+        """
+        tok = self.tokenizer
+        if not tok.chat_template:
+            raise ConfigError("the model's tokenizer has no chat template; nanoagent renders prompts, tool calls and "
+                              "observations with it: use a chat (instruct) model, or set tokenizer.chat_template")
+        if tok.eos_token_id is None:
+            raise ConfigError("the model's tokenizer has no EOS token: a turn that calls no tool could never end")
+        if tok.decode(tok.encode(CALL_END, add_special_tokens=False)) != CALL_END:
+            raise ConfigError(f"the model's tokenizer cannot write {CALL_END!r} (it decodes to "
+                              f"{tok.decode(tok.encode(CALL_END, add_special_tokens=False))!r}): tool calls could not end")
+        messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
+        call = f'<tool_call>\n{{"name": "probe", "arguments": {{}}}}\n{CALL_END}'
+        try:
+            if self.schemas:
+                names = [s["function"]["name"] for s in self.schemas]
+                if not all(name in self.render(messages) for name in names):
+                    raise ValueError("the rendered prompt does not show the tools' names")
+                self.observation_ids(messages, call, [{"role": "tool", "content": "R"}])
+                self.truncate("R", "tool")
+            self.observation_ids(messages, "A", [{"role": "user", "content": "O"}], ended_with_eos=True)
+            self.prompt_ids(messages)
+        except Exception as e:
+            raise ConfigError(f"the model's chat template cannot render a trajectory token-exactly ({e}); "
+                              "rollout.tool_format=hermes renders tools with plain system/user/assistant turns, "
+                              "or use a model whose template renders message content verbatim") from e
 
     def prompt_ids(self, messages):
         """The ids of a conversation and the next assistant header, environment text as text."""
@@ -269,9 +315,17 @@ def marked(messages):
     return [m if m["role"] in TEXT_ROLES else {**m, "content": TEXT_MARKER} for m in messages]
 
 
+def template_shows_tools(tokenizer):
+    """Whether the chat template renders a tools= list (one without tool support ignores it)."""
+    probe = {"type": "function", "function": {"name": "nanoagent_probe_tool", "description": "",
+                                              "parameters": {"type": "object", "properties": {}}}}
+    return "nanoagent_probe_tool" in tokenizer.apply_chat_template([{"role": "user", "content": "?"}], tools=[probe], tokenize=False)
+
+
 def tool_env(tools, tokenizer, max_obs_tokens=512, timeout_s=10.0, context="full", keep_turns=2, workers=4, max_abandoned=8,
-             step_timeout_s=120.0):
+             step_timeout_s=120.0, tool_format="auto"):
     """The ChatEnv of a tool task: a ToolCalling environment per trajectory over one ToolRunner,
     which runs the calls of every trajectory (batched where they wait together) under time limits."""
     runner = ToolRunner(tools, timeout_s, workers, max_abandoned)
-    return ChatEnv(lambda: ToolCalling(runner), tokenizer, runner.schemas(), max_obs_tokens, context, keep_turns, step_timeout_s)
+    return ChatEnv(lambda: ToolCalling(runner), tokenizer, runner.schemas(), max_obs_tokens, context, keep_turns, step_timeout_s,
+                   tool_format)

@@ -80,7 +80,7 @@ def step_line(metrics, cfg, first_step, elapsed):
     score = f" | {answer} {m[answer]:.3f}" if answer in m else ""
     # the update's statistics where there was one: none in the critic's warm-up, nor when every
     # trajectory was left out
-    update = "no policy update"
+    update = "TRAINED NOTHING: " + left_out(m) if m["policy_updates"] == 0 and not m.get("trained") else "no policy update"
     if m["policy_updates"]:
         update = (f"clip {m['clipfrac']:.3f} | ent {m['entropy']:.3f} | gnorm {m['grad_norm']:.3f} | "
                   f"skip {m['skipped']:.2f}")
@@ -98,6 +98,22 @@ def step_line(metrics, cfg, first_step, elapsed):
             f"{kl}{update} | drop {m['dropped_uniform']:.2f}+{m['dropped_overlong']:.2f} | "
             f"rollout {m['time/rollout']:.1f}s fwd {m['time/forward']:.1f}s upd {m['time/update']:.1f}s push {m['time/push']:.2f}s | "
             f"{m['tokens_per_s']:.0f} tok/s | elapsed {duration(elapsed)} eta {duration(eta)}{evaluation}")
+
+
+def left_out(metrics):
+    """Why a step's trajectories were left out of the update, from its dropped fractions (step_metrics)."""
+    reasons = {"dropped_uniform": "in groups of equal rewards", "dropped_overlong": "cut by a budget (train.overlong_filter)",
+               "dropped_env_error": "whose environment failed"}
+    return "trajectories left out: " + ", ".join(f"{metrics[k]:.0%} {why}" for k, why in reasons.items() if metrics.get(k))
+
+
+def idle_stop(metrics, steps):
+    """Why a run stops after `steps` steps in a row that trained nothing (train.max_idle_steps), and what to do."""
+    return (f"{steps} steps in a row trained nothing ({left_out(metrics)}; mean reward {metrics['reward']:.3f}): "
+            "a group whose rewards are all equal gives the policy no signal. Warm start by imitation "
+            "(train.warm_start_steps), sample more per prompt (rollout.group_size), give partial credit "
+            "(reward.format_weight), or an easier task; train.max_idle_steps=0 never stops. The last "
+            "checkpoint holds this step")
 
 
 def evaluate(engine, env, task, rows, cfg, rank, world):

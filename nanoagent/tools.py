@@ -28,6 +28,14 @@ from typing import Callable
 import jsonschema
 
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+CALL_END = "</tool_call>"  # a turn that calls tools ends here: the engines stop on it (engine.stop_token_ids, stop_strings)
+
+# nanoagent's tool format for chat templates without one (rollout.tool_format=hermes): Qwen2.5's own wording,
+# at the end of the system turn, one tool schema per line
+HERMES_TOOLS = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{}\n</tools>\n\n"
+                "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+                'XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
 
 
 @dataclass
@@ -80,6 +88,29 @@ def parse_tool_calls(text):
     if text.count("<tool_call>") > len(calls):
         calls.append(ToolCall(None, None, "Error: malformed tool call, <tool_call> was not closed with </tool_call>.", True))
     return calls
+
+
+def hermes_messages(messages, schemas):
+    """
+    A conversation in nanoagent's fallback tool format, as plain system/user/assistant messages that
+    any chat template renders (Qwen2.5's Hermes format, which its template makes from tools= and tool
+    messages): the tools' block ends the system turn (or is one, when the conversation has none), and
+    each run of tool messages becomes one user turn of <tool_response> blocks. Assistant turns hold
+    their <tool_call> text already (the model wrote it).
+    """
+    block = HERMES_TOOLS.format("\n".join(json.dumps(s, ensure_ascii=False) for s in schemas))
+    has_system = bool(messages) and messages[0]["role"] == "system"
+    out = [{"role": "system", "content": messages[0]["content"] + "\n\n" + block if has_system else block}]
+    after_tool = False  # the last message was a tool result: the next one joins its user turn
+    for m in messages[1:] if has_system else messages:
+        if m["role"] != "tool":
+            out.append(m)
+        elif after_tool:
+            out[-1] = {"role": "user", "content": out[-1]["content"] + f"\n<tool_response>\n{m['content']}\n</tool_response>"}
+        else:
+            out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
+        after_tool = m["role"] == "tool"
+    return out
 
 
 def _start(tool, arguments):

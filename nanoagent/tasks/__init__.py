@@ -55,13 +55,16 @@ def load_task(name):
 
 
 def task_env(task, cfg, tokenizer, tools=None):
-    """The ChatEnv of a task under cfg.rollout: one of the task's environments per trajectory, or
-    tool calling over its tools (or over `tools`, when given: rollout.py's and chat.py's --tools)."""
+    """The ChatEnv of a task under cfg.rollout, checked (ChatEnv.check): one of the task's environments per
+    trajectory, or tool calling over its tools (or over `tools`, when given: rollout.py's and chat.py's --tools)."""
     r = cfg.rollout
     if tools is None and getattr(task, "environment", None) is not None:
-        return ChatEnv(task.environment(cfg), tokenizer, (), r.max_obs_tokens, r.context, r.keep_turns, r.step_timeout_s)
-    return tool_env(task.tools(cfg) if tools is None else tools, tokenizer, r.max_obs_tokens, r.tool_timeout_s, r.context, r.keep_turns,
-                    step_timeout_s=r.step_timeout_s)
+        env = ChatEnv(task.environment(cfg), tokenizer, (), r.max_obs_tokens, r.context, r.keep_turns, r.step_timeout_s)
+    else:
+        env = tool_env(task.tools(cfg) if tools is None else tools, tokenizer, r.max_obs_tokens, r.tool_timeout_s, r.context,
+                       r.keep_turns, step_timeout_s=r.step_timeout_s, tool_format=r.tool_format)
+    env.check()  # a tokenizer or template a rollout would fail on is refused now, before any model is built
+    return env
 
 
 def task_data(task, cfg, tokenizer):

@@ -161,14 +161,12 @@ def main(argv=None):
         max_positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
     except Exception as e:  # an unknown hub id, a broken folder: transformers says what is wrong
         fail(f"--model {args.model!r} does not load: {str(e).strip().splitlines()[0]}")
-    if not tokenizer.chat_template:
-        fail(f"--model {args.model!r} has no chat template; nanoagent renders conversations and tool results with it")
     try:
         tools = None if args.tools is None else make_tools([t.strip() for t in args.tools.split(",") if t.strip()],
                                                             cfg.data.index_dir, top_k=cfg.rollout.search_top_k)
         env = task_env(task, cfg, tokenizer, tools)
-    except (OSError, ValueError) as e:  # no index there, an unknown tool, an index that will not load
-        fail(str(e))
+    except (OSError, ValueError) as e:  # no index there, an unknown tool, an index that will not load, a chat template
+        fail(str(e))                    # or tokenizer a rollout would fail on (ChatEnv.check: ConfigError)
     max_context = min(cfg.rollout.max_context_tokens, max_positions or cfg.rollout.max_context_tokens)
     dtype = cfg.rollout.dtype if torch.cuda.is_available() else "float32"  # bfloat16 on a CPU: slow, or not there
     console = Console()

@@ -67,11 +67,13 @@ def main(argv=None):
     else:
         samples = check_prompts(task.prompts(cfg, "val"), cfg.data.bad_prompts, f"{cfg.data.task} val prompts")[:args.limit or None]
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if tokenizer.chat_template is None:
-        sys.exit(f"rollout.py: {model_path} has no chat template; nanoagent renders prompts and tool results with it")
     tools = None if args.tools is None else make_tools([t for t in args.tools.split(",") if t], cfg.data.index_dir,
                                                         top_k=cfg.rollout.search_top_k)
-    env = task_env(task, cfg, tokenizer, tools)
+    try:
+        env = task_env(task, cfg, tokenizer, tools)
+    except ConfigError as e:  # a chat template or tokenizer a rollout would fail on (ChatEnv.check)
+        print(f"rollout.py: {model_path}: {e}", file=sys.stderr)
+        return 2
     engine = make_engine(cfg.rollout.engine, model_path, tokenizer, cfg.rollout.max_context_tokens, cfg.rollout.dtype,
                          cfg.rollout.gpu_memory_utilization, cfg.rollout.tensor_parallel_size, cfg.seed, cfg.rollout.compile)
     sampling = SamplingConfig(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, args.greedy)

@@ -142,9 +142,8 @@ class ChatEnv:
         of its content; the number of tokens of that conversation without the content), once per role."""
         if role in self.frames:
             return self.frames[role]
-        framed = self.tokenizer.apply_chat_template([{"role": "user", "content": "?"}, {"role": "assistant", "content": "?"},
-                                                     {"role": role, "content": TEXT_MARKER}], tokenize=False,
-                                                    add_generation_prompt=True)
+        framed = self.render([{"role": "user", "content": "?"}, {"role": "assistant", "content": "?"},
+                              {"role": role, "content": TEXT_MARKER}], add_generation_prompt=True)
         if framed.count(TEXT_MARKER) != 1:  # e.g. "?" of the user message, were it environment text: it is not marked here
             raise ValueError(f"the chat template does not render a {role!r} message's content verbatim")
         self.frames[role] = framed, len(self.encode_rendered(framed, [""]))

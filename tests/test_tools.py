@@ -1,7 +1,7 @@
 """
 Tool calling without a model: parsing, validation, time limits (ToolRunner), truncation and
 rendering (ChatEnv of a tool task). What depends on the vocabulary (observation ids,
-demonstrations, truncation) runs under the tiny tokenizer and under Qwen2.5's real one.
+demonstrations, truncation) runs under the tiny tokenizer, Qwen2.5's real one and SmolLM2's.
 """
 
 import os
@@ -28,9 +28,10 @@ def tiny_tok(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-@pytest.fixture(scope="module", params=["tiny", "qwen"])
+@pytest.fixture(scope="module", params=["tiny", "qwen", "smollm2"])
 def tok(request):
-    """The tiny tokenizer, or Qwen2.5's real one (whose merges join text across a result's edges)."""
+    """The tiny tokenizer, Qwen2.5's real one (whose merges join text across a result's edges), or SmolLM2's (a
+    Llama-style 49k BPE in which </tool_call> is five tokens, under a template without tools: the Hermes fallback)."""
     return AutoTokenizer.from_pretrained(request.getfixturevalue(f"{request.param}_model_dir"))
 
 

@@ -72,7 +72,7 @@ class ChatEnv:
         self.make = make
         self.tokenizer = tokenizer
         self.schemas = list(schemas)
-        shows_tools = not self.schemas or template_shows_tools(tokenizer)
+        shows_tools = not self.schemas or not tokenizer.chat_template or template_shows_tools(tokenizer)  # none: check() refuses
         if tool_format == "template" and not shows_tools:
             raise ConfigError("rollout.tool_format=template, but the model's chat template ignores tools= (it renders the "
                               "same text with and without them): the model would never see its tools. Use "

@@ -9,7 +9,6 @@ rollout would fail on are refused at start, before any model is built (ChatEnv.c
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest

@@ -210,7 +210,8 @@ class ChatEnv:
             raise ConfigError(f"the model's tokenizer cannot write {CALL_END!r} (it decodes to "
                               f"{tok.decode(tok.encode(CALL_END, add_special_tokens=False))!r}): tool calls could not end")
         messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
-        call = f'<tool_call>\n{{"name": "probe", "arguments": {{}}}}\n{CALL_END}'
+        # the model's text as it comes: around it, whitespace that a template which trims content would lose
+        call = f' <tool_call>\n{{"name": "probe", "arguments": {{}}}}\n{CALL_END}\n'
         try:
             if self.schemas:
                 names = [s["function"]["name"] for s in self.schemas]
@@ -218,7 +219,7 @@ class ChatEnv:
                     raise ValueError("the rendered prompt does not show the tools' names")
                 self.observation_ids(messages, call, [{"role": "tool", "content": "R"}])
                 self.truncate("R", "tool")
-            self.observation_ids(messages, "A", [{"role": "user", "content": "O"}], ended_with_eos=True)
+            self.observation_ids(messages, "\nA ", [{"role": "user", "content": "O"}], ended_with_eos=True)
             self.prompt_ids(messages)
         except Exception as e:
             raise ConfigError(f"the model's chat template cannot render a trajectory token-exactly ({e}); "

@@ -81,6 +81,9 @@ BROKEN_TEMPLATES = {
     # Qwen3-style: an assistant turn is rendered with an empty think block the generation prompt does not have
     "think": ("{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}<think>\n\n</think>\n\n"
               "{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+    # Llama-3-style: content trimmed (a turn the model ended with a newline would lose it when rendered)
+    "trim": ("{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}"
+             "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
     # shows tools=, but knows no tool role
     "no tool role": ("{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}{% if m.role == 'tool' %}"
                      "{{ raise_exception('unknown role tool') }}{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"

@@ -266,6 +266,22 @@ def test_ctrl_c_checkpoints_at_the_next_safe_point_and_a_second_one_aborts(tmp_p
     assert os.listdir(run_dir / "checkpoints") == [saved]
 
 
+def test_a_run_that_trains_nothing_says_so_and_stops(tmp_path):
+    """Every reward 0 (tests/zero_reward_task.py): each step says it trained nothing and why, and after
+    train.max_idle_steps of them the run stops with one line saying what to do, its checkpoint written."""
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config=tiny", "steps=10", f"run_dir={tmp_path / 'run'}",
+           f"data.task={os.path.join(ROOT, 'tests', 'zero_reward_task.py')}", "train.max_idle_steps=2",
+           "rollout.prompts_per_step=2", "rollout.max_turns=1", "rollout.max_new_tokens=8", "ppo.mini_batch_size=8"]
+    proc = procs.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2 and all("TRAINED NOTHING: trajectories left out: 100% in groups of equal rewards" in s for s in lines)
+    assert proc.stderr.strip().splitlines()[-1].startswith("train.py: error: 2 steps in a row trained nothing")
+    assert "train.warm_start_steps" in proc.stderr and "Traceback" not in proc.stderr
+    assert os.listdir(tmp_path / "run" / "checkpoints") == ["step_000002"]
+    assert [m["trained"] for m in map(json.loads, open(tmp_path / "run" / "metrics.jsonl"))] == [0.0, 0.0]
+
+
 def test_a_start_that_fails_leaves_the_run_folder_as_it_was(tmp_path):
     """resume=never moves a used run_dir aside and writes config.json only once everything is built:
     a start that fails (here: its prompt file is missing) used to leave a <run_dir>.old-* folder per try."""

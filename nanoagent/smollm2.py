@@ -13,6 +13,7 @@ Its chat template is plain ChatML without tools: nanoagent renders the tools in 
 fallback format (env.py: rollout.tool_format).
 """
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -113,8 +114,9 @@ def convert(out_dir, path):
 def ensure_smollm2(cache_dir=None):
     """
     The converted model's folder, made once and cached (default ~/.cache/nanoagent, NANOAGENT_CACHE).
-    Safe when several ranks call it at once: each converts into a temporary folder and the first
-    rename wins. Call it before the process group exists (tiny.resolve_model says why).
+    Several processes at once (the ranks of a run, test workers): one converts, under a file lock,
+    into a temporary folder renamed into place when complete; the others wait for it, then find it.
+    Call it before the process group exists (tiny.resolve_model says why).
     """
     cache_dir = cache_dir or os.environ.get("NANOAGENT_CACHE", os.path.expanduser("~/.cache/nanoagent"))
     path = os.path.join(cache_dir, f"{NAME}-v{CONVERSION_VERSION}")
@@ -122,13 +124,15 @@ def ensure_smollm2(cache_dir=None):
         return path
     gguf_path = packaged_gguf()
     os.makedirs(cache_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{NAME}-", dir=cache_dir)
-    try:
-        convert(tmp, gguf_path)
-        os.rename(tmp, path)
-    except OSError:
-        if not os.path.exists(os.path.join(path, MARKER)):
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with open(os.path.join(cache_dir, f".{NAME}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when its process dies
+        if os.path.exists(os.path.join(path, MARKER)):  # another process converted it while this one waited
+            return path
+        tmp = tempfile.mkdtemp(prefix=f".{NAME}-", dir=cache_dir)
+        try:
+            convert(tmp, gguf_path)
+            shutil.rmtree(path, ignore_errors=True)  # a folder without its marker: a copy cut short
+            os.rename(tmp, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return path

@@ -33,7 +33,7 @@ import os
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from nanoagent.rl import nucleus_mask
 from nanoagent.tools import CALL_END
@@ -103,6 +103,29 @@ def keep_reload_warning(record):
     return not (record.msg == RELOAD_FAILED and record.args and record.args[0] in PARAMETERLESS_LAYERS)
 
 
+MAX_NUM_SEQS = 256  # vLLM's default for LLM() on a CPU, lowered to max_num_batched_tokens where that is less
+CPU_BLOCK_TOKENS = 128  # vLLM's KV block on a CPU
+
+
+def cpu_kv_cache_bytes(model_path, dtype, max_model_len, cap=2**30):
+    """
+    The KV cache vLLM allocates on a CPU (all of it resident at start: it is zero-filled): what the
+    most sequences the engine runs at once (MAX_NUM_SEQS, at most max_model_len: VLLMEngine's
+    max_num_batched_tokens) can fill at max_model_len tokens each, and at most `cap` (1 GiB, the size
+    it always had). More would hold nothing but older prefixes of finished turns, which the trainer's
+    weight push resets anyway. The tiny test model (2 layers, 1 KV head of 64, fp32: 1 KiB a token)
+    needs 384 MiB at 1,536 tokens; SmolLM2-135M (30 layers, 3 KV heads, fp32: 45 KiB a token) the
+    whole GiB (23k tokens).
+    """
+    config = AutoConfig.from_pretrained(model_path)
+    config = getattr(config, "text_config", config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * getattr(torch, dtype).itemsize
+    blocks = -(-max_model_len // CPU_BLOCK_TOKENS)  # a sequence's blocks, its last one partly filled
+    return min(cap, per_token * CPU_BLOCK_TOKENS * blocks * min(MAX_NUM_SEQS, max_model_len))
+
+
 class VLLMEngine:
     continuous_batching = True  # a request may join while others are decoding (run_agent schedules each trajectory on its own)
 
@@ -110,7 +133,6 @@ class VLLMEngine:
                  tensor_parallel_size=1, seed=0, compile=True, stop_strings=()):
         # In-process engine core: the weights must be reachable from this process for reloads.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the program's own (chat.py --question | ...)
         from vllm import LLM
@@ -121,6 +143,10 @@ class VLLMEngine:
         gc.freeze()
         on_gpu = torch.cuda.is_available()
         distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        # CPU: a KV cache of the size the engine can fill, unless VLLM_CPU_KVCACHE_SPACE (GiB) sets one
+        # (in vLLM the variable wins over kv_cache_memory_bytes)
+        sized = on_gpu or os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+        kv_cache = None if sized else cpu_kv_cache_bytes(model_path, dtype, max_model_len)
         self.llm = LLM(
             model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
             tensor_parallel_size=tensor_parallel_size,
@@ -134,6 +160,7 @@ class VLLMEngine:
             # generator does not have ("CPU Generator does not use offset"): prefill whole prompts.
             enable_chunked_prefill=on_gpu,
             max_num_batched_tokens=None if on_gpu else max_model_len,
+            kv_cache_memory_bytes=kv_cache,
         )
         self.stop_ids, self.stop_strings = list(stop_ids), list(stop_strings)
         self.asleep = False

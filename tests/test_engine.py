@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import AutoTokenizer
 
-from nanoagent.engine import HFEngine, SamplingConfig, VLLMEngine, stop_token_ids
+from nanoagent.engine import MAX_NUM_SEQS, HFEngine, SamplingConfig, VLLMEngine, cpu_kv_cache_bytes, stop_token_ids
 from nanoagent.model import load_causal_lm, policy_forward
 from nanoagent.rl import nucleus_logprobs
 
@@ -124,6 +124,26 @@ def test_a_vllm_engine_starting_keeps_no_garbage_forever(tiny_model_dir, tok):
         gc.enable()
     gc.collect()
     assert gone() is None
+    del engine
+    from vllm.distributed import cleanup_dist_env_and_memory
+    cleanup_dist_env_and_memory()
+
+
+@pytest.mark.slow
+def test_a_cpu_engine_allocates_the_kv_cache_its_sequences_can_fill(tiny_model_dir, tok, monkeypatch):
+    """Without VLLM_CPU_KVCACHE_SPACE, the CPU engine's KV cache (zero-filled, so all of it resident
+    from the start) holds what the sequences it runs at once (at most max_model_len of them) can fill:
+    16 MiB for the tiny model at 128 tokens, not the 1 GiB (a million tokens) it always took."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    engine = VLLMEngine(tiny_model_dir, stop_token_ids(tok), max_model_len=128, dtype="float32", seed=0, compile=False)
+    cache = engine.llm.llm_engine.vllm_config.cache_config
+    seqs = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+    assert seqs == min(MAX_NUM_SEQS, 128)
+    assert cpu_kv_cache_bytes(tiny_model_dir, "float32", 128) == 2 * 2 * 64 * 4 * 128 * seqs  # 2 layers, 1 KV head
+    assert seqs * 128 <= cache.num_gpu_blocks * cache.block_size <= 2 * seqs * 128
+    prompt = tok.encode("hello there")
+    [gen] = engine.generate([prompt], SamplingConfig(max_new_tokens=8, greedy=True))
+    assert len(gen.token_ids) >= 1
     del engine
     from vllm.distributed import cleanup_dist_env_and_memory
     cleanup_dist_env_and_memory()

@@ -553,8 +553,10 @@ def policy_forward(model, input_ids, position_ids, needed, temperature=1.0, top_
     like. The LM head runs on the states that predict a needed token only (logits_to_keep).
     """
     tokens, at = read_positions(position_ids, needed)                                           # [N], [N]
+    # squeeze, not [0]: a view, whose backward is a view too; [0]'s backward copies the logits' gradient
+    # into a new [1, N, V] tensor, a second one beside the logits that logprobs_and_entropy overwrites
     logits = model(input_ids=input_ids, position_ids=position_ids, plan=attention_plan(position_ids), logits_to_keep=at,
-                   use_cache=False).logits[0]                                                   # [N, V]
+                   use_cache=False).logits.squeeze(0)                                           # [N, V]
     labels = input_ids[0, tokens]                                                               # [N]
     chosen = None
     if top_p is not None and top_p < 1.0:  # before logprobs_and_entropy, whose backward overwrites the logits

@@ -1,8 +1,12 @@
 """Forward passes over trajectories: packed micro-batches, exactly the padded rows' results; alignment
 with the action mask and with the engine's logprobs; the critic's values."""
 
+from functools import partial
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers import AutoTokenizer
 
 import padded
@@ -12,6 +16,7 @@ from nanoagent.engine import HFEngine, SamplingConfig, stop_token_ids
 from nanoagent.env import tool_env
 from nanoagent.model import (Critic, attention_plan, critic_forward, forward_all, load_causal_lm, micro_batches, micro_steps,
                              old_policy_forward, policy_forward)
+from nanoagent.rl import logprobs_and_entropy
 from nanoagent.tools import calculator_tool
 
 CPU = torch.device("cpu")
@@ -105,6 +110,31 @@ def test_attention_is_planned_once_a_forward_over_one_packed_sequence(tiny_model
     assert len(plans) == 1 and model.config.num_hidden_layers > 1
     with pytest.raises(ValueError, match="one packed sequence"):
         model(input_ids=ids.repeat(2, 1))
+
+
+def test_the_policy_backward_makes_no_second_logits_tensor(tiny_model_dir, monkeypatch):
+    """The backward of policy_forward writes the logits' gradient over the logits (rl.logprobs_and_entropy)
+    and passes it on without a copy: no tensor of N x V elements or more is made in it (N action tokens,
+    more than the hidden size, so the LM head's weight gradient is smaller; logprob chunks of 4 rows)."""
+    model = load_causal_lm(tiny_model_dir).train()
+    monkeypatch.setattr(model_module, "logprobs_and_entropy", partial(logprobs_and_entropy, chunk_size=4))
+    hidden, vocab = model.config.hidden_size, model.config.vocab_size
+    positions = torch.arange(4 * hidden) % (2 * hidden)
+    ids, needed = torch.randint(0, vocab, (1, len(positions)), generator=torch.Generator().manual_seed(0)), positions[None] > 0
+    logprobs, entropy, _ = policy_forward(model, ids, positions[None], needed)
+    tokens = int(needed.sum())
+    sizes = []
+
+    class Allocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            sizes.extend(t.untyped_storage().nbytes() // t.element_size() for t in tree_leaves(out)
+                         if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs)  # not a view
+            return out
+    with Allocations():
+        (-logprobs.sum()).backward()
+    assert tokens > hidden and sizes and max(sizes) < tokens * vocab
 
 
 def test_policy_forward_is_aligned_and_matches_rollout(tiny_model_dir):

@@ -120,7 +120,8 @@ def test_the_policy_backward_makes_no_second_logits_tensor(tiny_model_dir, monke
     monkeypatch.setattr(model_module, "logprobs_and_entropy", partial(logprobs_and_entropy, chunk_size=4))
     hidden, vocab = model.config.hidden_size, model.config.vocab_size
     positions = torch.arange(4 * hidden) % (2 * hidden)
-    ids, needed = torch.randint(0, vocab, (1, len(positions)), generator=torch.Generator().manual_seed(0)), positions[None] > 0
+    ids = torch.randint(0, vocab, (1, len(positions)), generator=torch.Generator().manual_seed(0))
+    needed = positions[None] > 0
     logprobs, entropy, _ = policy_forward(model, ids, positions[None], needed)
     tokens = int(needed.sum())
     sizes = []
@@ -128,9 +129,12 @@ def test_the_policy_backward_makes_no_second_logits_tensor(tiny_model_dir, monke
     class Allocations(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-            sizes.extend(t.untyped_storage().nbytes() // t.element_size() for t in tree_leaves(out)
-                         if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs)  # not a view
+            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            inputs = {t.untyped_storage().data_ptr() for t in tensors}
+            made = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            # new storages only, not views of an input
+            sizes.extend(t.untyped_storage().nbytes() // t.element_size() for t in made
+                         if t.untyped_storage().data_ptr() not in inputs)
             return out
     with Allocations():
         (-logprobs.sum()).backward()

@@ -8,9 +8,10 @@ VARIANT := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 
 DEMO   := out/demo
 TWDEMO := out/demo-textworld
+SMDEMO := out/demo-smollm2
 SEED   := 0
 
-.PHONY: install test test-fast test-gpu demo demo-textworld speedrun clean
+.PHONY: install test test-fast test-gpu demo demo-textworld demo-smollm2 speedrun clean
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +61,17 @@ demo-textworld:
 	$(PY) train.py --config=demo-textworld seed=$(SEED) model=$(TWDEMO)/model run_dir=$(TWDEMO)/run \
 		data.train_path=$(TWDEMO)/data/train.parquet data.val_path=$(TWDEMO)/data/val.parquet
 	$(PY) report.py --run=$(TWDEMO)/run
+
+# The real SmolLM2-135M-Instruct (model=smollm2-135m, converted on first use into the nanoagent cache) on make demo's world:
+# synthetic world -> MiniLM index -> warm start by imitation -> GRPO -> greedy evaluation -> $(SMDEMO)/run/report.md
+demo-smollm2:
+	$(PY) prepare_data.py --task=synthetic --out=$(SMDEMO)/data
+	$(PY) build_index.py --corpus=$(SMDEMO)/data/corpus.jsonl --out=$(SMDEMO)/data/index \
+		--encoder="$$($(PY) -c 'from nanoagent.retriever import packaged_minilm_path; print(packaged_minilm_path())')"
+	rm -rf $(SMDEMO)/run
+	$(PY) train.py --config=demo-smollm2 seed=$(SEED) model=smollm2-135m run_dir=$(SMDEMO)/run \
+		data.train_path=$(SMDEMO)/data/train.parquet data.val_path=$(SMDEMO)/data/val.parquet data.index_dir=$(SMDEMO)/data/index
+	$(PY) report.py --run=$(SMDEMO)/run
 
 # One GPU node, all its GPUs: HotpotQA -> index -> RL -> evaluation -> out/speedrun/report.md
 speedrun:

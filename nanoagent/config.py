@@ -200,6 +200,21 @@ PRESETS = {
         "train.activation_checkpointing=false", "train.save_every=0", "train.warm_start_steps=60", "train.warm_start_lr=1e-3",
         "eval.every=5", "eval.num_prompts=32",
     ],
+    # make demo-smollm2 (CPU): the real SmolLM2-135M-Instruct on make demo's synthetic world (its tools in nanoagent's
+    # Hermes fallback), a short warm start imitating the same demonstrator (it mostly guesses: RL must find that searching
+    # pays; a longer one leaves no sampled search that scores, so GRPO has nothing to learn from), then GRPO at a small
+    # learning rate; the transformers engine (vLLM's CPU engine added 3-4 GB and was killed for memory on a shared machine)
+    "demo-smollm2": [
+        "model=smollm2-135m", "algo=grpo", "steps=20", "run_dir=out/demo-smollm2/run", "resume=never",
+        "data.task=synthetic", "data.train_path=out/demo-smollm2/data/train.parquet",
+        "data.val_path=out/demo-smollm2/data/val.parquet", "data.index_dir=out/demo-smollm2/data/index", "data.max_prompt_tokens=512",
+        "rollout.engine=hf", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_turns=4", "rollout.max_new_tokens=48",
+        "rollout.max_context_tokens=1024", "rollout.max_obs_tokens=128", "rollout.search_top_k=1", "rollout.dtype=float32",
+        "rollout.compile=false", "rollout.tool_timeout_s=10",
+        "ppo.mini_batch_size=8", "train.lr=1e-5", "train.micro_batch_tokens=1024", "train.dtype=float32",
+        "train.activation_checkpointing=false", "train.save_every=0", "train.warm_start_steps=6", "train.warm_start_lr=1e-4",
+        "train.max_idle_steps=0", "reward.format_weight=0.0", "eval.every=5", "eval.num_prompts=64",
+    ],
     # one GPU node: Qwen2.5-3B-Instruct on HotpotQA with search over Wikipedia (make speedrun)
     "hotpotqa": [
         "model=Qwen/Qwen2.5-3B-Instruct", "algo=grpo", "steps=200", "run_dir=out/hotpotqa",

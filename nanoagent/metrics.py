@@ -80,7 +80,7 @@ def step_line(metrics, cfg, first_step, elapsed):
     score = f" | {answer} {m[answer]:.3f}" if answer in m else ""
     # the update's statistics where there was one: none in the critic's warm-up, nor when every
     # trajectory was left out
-    update = "TRAINED NOTHING: " + left_out(m) if m["policy_updates"] == 0 and not m.get("trained") else "no policy update"
+    update = "TRAINED NOTHING: " + left_out(m) if m.get("trained") == 0 else "no policy update"
     if m["policy_updates"]:
         update = (f"clip {m['clipfrac']:.3f} | ent {m['entropy']:.3f} | gnorm {m['grad_norm']:.3f} | "
                   f"skip {m['skipped']:.2f}")

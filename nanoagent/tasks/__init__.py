@@ -71,10 +71,11 @@ def task_data(task, cfg, tokenizer):
     """(train rows, val rows, the task's environments): the task's prompts, made on the spot or read
     from a file, every one checked (well-formed rows, then data.max_prompt_tokens with chat template
     and tool schemas included) when loaded, on every rank, before any collective."""
+    prompts = {split: check_prompts(task.prompts(cfg, split), cfg.data.bad_prompts, f"{cfg.data.task} {split} prompts")
+               for split in ("train", "val")}
     env = task_env(task, cfg, tokenizer)
     rows = {}
-    for split in ("train", "val"):
-        prompts = check_prompts(task.prompts(cfg, split), cfg.data.bad_prompts, f"{cfg.data.task} {split} prompts")
-        lengths = env.prompt_lengths([p["messages"] for p in prompts])
-        rows[split] = fit_prompts(prompts, lengths, cfg.data.max_prompt_tokens, cfg.data.bad_prompts, f"{cfg.data.task} {split} prompts")
+    for split, checked in prompts.items():
+        lengths = env.prompt_lengths([p["messages"] for p in checked])
+        rows[split] = fit_prompts(checked, lengths, cfg.data.max_prompt_tokens, cfg.data.bad_prompts, f"{cfg.data.task} {split} prompts")
     return rows["train"], rows["val"], env

@@ -165,8 +165,9 @@ def main(argv=None):
         tools = None if args.tools is None else make_tools([t.strip() for t in args.tools.split(",") if t.strip()],
                                                             cfg.data.index_dir, top_k=cfg.rollout.search_top_k)
         env = task_env(task, cfg, tokenizer, tools)
-    except (OSError, ValueError) as e:  # no index there, an unknown tool, an index that will not load, a chat template
-        fail(str(e))                    # or tokenizer a rollout would fail on (ChatEnv.check: ConfigError)
+    # no index there, an unknown tool, an index that will not load, a template a rollout would fail on (ChatEnv.check)
+    except (OSError, ValueError) as e:
+        fail(str(e))
     max_context = min(cfg.rollout.max_context_tokens, max_positions or cfg.rollout.max_context_tokens)
     dtype = cfg.rollout.dtype if torch.cuda.is_available() else "float32"  # bfloat16 on a CPU: slow, or not there
     console = Console()

@@ -360,7 +360,7 @@ def main(argv=None):
         stopping = int(all_reduce([stop["signal"]], "max")[0])
         metrics = step_metrics(step, trajs, dropped, batch, policy_updates, critic_updates, kl, [t0, t1, t2, t3, t4])
         metrics["lr"] = get_lr(step, cfg.train.lr, cfg.train.warmup_steps)
-        metrics["trained"] = trained / (cfg.rollout.prompts_per_step * cfg.rollout.group_size)  # the fraction of trajectories
+        metrics["trained"] = trained / (cfg.rollout.prompts_per_step * cfg.rollout.group_size)  # a fraction
         if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.steps) and not stopping:
             metrics.update(evaluate(engine, env, task, val_rows, cfg, rank, world))
         print0(step_line(metrics, cfg, start_step, time.perf_counter() - loop_start))
@@ -370,7 +370,8 @@ def main(argv=None):
         # because it has trained nothing for train.max_idle_steps steps (every trajectory left out)
         idle = idle + 1 if trained == 0 else 0
         idle_out = cfg.train.max_idle_steps and idle >= cfg.train.max_idle_steps
-        if stopping or idle_out or step + 1 == cfg.steps or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
+        every = cfg.train.save_every and (step + 1) % cfg.train.save_every == 0
+        if stopping or idle_out or step + 1 == cfg.steps or every:
             saved_step = save(step + 1)
         if idle_out:
             raise ConfigError(idle_stop(metrics, idle))

@@ -182,7 +182,7 @@ class VLLMEngine:
         params = SamplingParams(
             max_tokens=max_new_tokens, temperature=0.0 if sampling.greedy else sampling.temperature,
             top_p=1.0 if sampling.greedy else sampling.top_p, stop_token_ids=self.stop_ids, ignore_eos=True, seed=seed,
-            stop=self.stop_strings, include_stop_str_in_output=True, logprobs=0, detokenize=bool(self.stop_strings),
+            stop=self.stop_strings, include_stop_str_in_output=True, detokenize=bool(self.stop_strings), logprobs=0,
             skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY)
         self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), params)
 
@@ -235,7 +235,8 @@ class HFEngine:
 
     continuous_batching = False  # one generate call per step: run_agent gathers a turn's requests before stepping
 
-    def __init__(self, model_path, stop_ids, pad_id, dtype="bfloat16", device=None, seed=0, stop_strings=(), tokenizer=None):
+    def __init__(self, model_path, stop_ids, pad_id, dtype="bfloat16", device=None, seed=0, stop_strings=(),
+                 tokenizer=None):
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device).eval()
         self.stop_ids, self.stop_strings = list(stop_ids), list(stop_strings)
@@ -286,8 +287,9 @@ class HFEngine:
             attention_mask[i, width - len(p):] = 1
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)  # [B, W]
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, W]: each row counts from its first token
-        rows, finish = [[] for _ in prompts], [None] * len(prompts)  # each row's sampled ids up to where it stopped, and why
-        tail = max(map(len, self.stop_strings), default=0) + 1  # a stop string's characters span at most this many tokens
+        rows = [[] for _ in prompts]    # each row's sampled ids, up to where it stopped
+        finish = [None] * len(prompts)  # and why it stopped
+        tail = max(map(len, self.stop_strings), default=0) + 1  # the most tokens a stop string's characters span
         cache, new_logprobs = None, []                                # per step: [B]
         for step in range(max(budgets)):
             # The model makes a DynamicCache on the first call (the prompts); each later call feeds
@@ -307,7 +309,8 @@ class HFEngine:
             for i, token in enumerate(next_ids.tolist()):
                 if finish[i] is None:
                     rows[i].append(token)
-                    if token in self.stop_ids or any(tag in self.tokenizer.decode(rows[i][-tail:]) for tag in self.stop_strings):
+                    text = self.tokenizer.decode(rows[i][-tail:]) if self.stop_strings else ""
+                    if token in self.stop_ids or any(tag in text for tag in self.stop_strings):
                         finish[i] = "stop"
                     elif step + 1 >= budgets[i]:
                         finish[i] = "length"
@@ -317,7 +320,7 @@ class HFEngine:
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(prompts), 1)], -1)
             position_ids = position_ids[:, -1:] + 1
         new_logprobs = torch.stack(new_logprobs, 1).tolist()                            # [B, S]
-        return [Generation(ids, lps[:len(ids)], reason) for ids, lps, reason in zip(rows, new_logprobs, finish)]
+        return [Generation(ids, lps[:len(ids)], why) for ids, lps, why in zip(rows, new_logprobs, finish)]
 
     @torch.no_grad()
     def load_weights(self, named_tensors):
@@ -351,8 +354,9 @@ def make_engine(kind, model_path, tokenizer, max_model_len, dtype="bfloat16", gp
     if kind == "vllm":
         if not has_vllm:
             raise RuntimeError("rollout.engine=vllm but vLLM is not installed here; use rollout.engine=hf")
-        return VLLMEngine(model_path, stop_ids, max_model_len, dtype, gpu_memory_utilization, tensor_parallel_size, seed, compile,
-                          strings)
+        return VLLMEngine(model_path, stop_ids, max_model_len, dtype, gpu_memory_utilization, tensor_parallel_size,
+                          seed, compile, strings)
     if kind == "hf":
-        return HFEngine(model_path, stop_ids, pad_token_id(tokenizer), dtype, seed=seed, stop_strings=strings, tokenizer=tokenizer)
+        return HFEngine(model_path, stop_ids, pad_token_id(tokenizer), dtype, seed=seed, stop_strings=strings,
+                        tokenizer=tokenizer)
     raise ValueError(f"unknown engine {kind!r}; valid: auto, vllm, hf")

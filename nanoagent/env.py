@@ -65,18 +65,20 @@ class ChatEnv:
     without tools; "auto", the template's when it renders tools=, else hermes.
     """
 
-    def __init__(self, make, tokenizer, schemas=(), max_obs_tokens=512, context="full", keep_turns=2, step_timeout_s=120.0,
-                 tool_format="auto"):
+    def __init__(self, make, tokenizer, schemas=(), max_obs_tokens=512, context="full", keep_turns=2,
+                 step_timeout_s=120.0, tool_format="auto"):
         if context not in ("full", "last_k") or keep_turns < 1:
             raise ValueError(f"context={context!r}, keep_turns={keep_turns}: context is full or last_k, keep_turns >= 1")
         self.make = make
         self.tokenizer = tokenizer
         self.schemas = list(schemas)
-        shows_tools = not self.schemas or not tokenizer.chat_template or template_shows_tools(tokenizer)  # none: check() refuses
+        # no template at all: check() refuses it
+        shows_tools = not self.schemas or not tokenizer.chat_template or template_shows_tools(tokenizer)
         if tool_format == "template" and not shows_tools:
-            raise ConfigError("rollout.tool_format=template, but the model's chat template ignores tools= (it renders the "
-                              "same text with and without them): the model would never see its tools. Use "
-                              "rollout.tool_format=hermes (or auto), nanoagent's fallback tool format (README: Tool calling)")
+            raise ConfigError("rollout.tool_format=template, but the model's chat template ignores tools= (it "
+                              "renders the same text with and without them): the model would never see its "
+                              "tools. Use rollout.tool_format=hermes (or auto), nanoagent's fallback tool format "
+                              "(README: Models and chat templates)")
         self.hermes = bool(self.schemas) and (tool_format == "hermes" or not shows_tools)
         self.max_obs_tokens = max_obs_tokens
         self.context = context
@@ -202,13 +204,15 @@ class ChatEnv:
         """
         tok = self.tokenizer
         if not tok.chat_template:
-            raise ConfigError("the model's tokenizer has no chat template; nanoagent renders prompts, tool calls and "
-                              "observations with it: use a chat (instruct) model, or set tokenizer.chat_template")
+            raise ConfigError("the model's tokenizer has no chat template; nanoagent renders prompts, tool "
+                              "calls and observations with it: use a chat (instruct) model, or set "
+                              "tokenizer.chat_template")
         if tok.eos_token_id is None:
             raise ConfigError("the model's tokenizer has no EOS token: a turn that calls no tool could never end")
-        if tok.decode(tok.encode(CALL_END, add_special_tokens=False)) != CALL_END:
-            raise ConfigError(f"the model's tokenizer cannot write {CALL_END!r} (it decodes to "
-                              f"{tok.decode(tok.encode(CALL_END, add_special_tokens=False))!r}): tool calls could not end")
+        written = tok.decode(tok.encode(CALL_END, add_special_tokens=False))
+        if written != CALL_END:
+            raise ConfigError(f"the model's tokenizer cannot write {CALL_END!r} (it decodes to {written!r}): "
+                              "tool calls could not end")
         messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
         # the model's text as it comes: around it, whitespace that a template which trims content would lose
         call = f' <tool_call>\n{{"name": "probe", "arguments": {{}}}}\n{CALL_END}\n'
@@ -223,8 +227,8 @@ class ChatEnv:
             self.prompt_ids(messages)
         except Exception as e:
             raise ConfigError(f"the model's chat template cannot render a trajectory token-exactly ({e}); "
-                              "rollout.tool_format=hermes renders tools with plain system/user/assistant turns, "
-                              "or use a model whose template renders message content verbatim") from e
+                              "rollout.tool_format=hermes renders tools with plain system/user/assistant "
+                              "turns, or use a model whose template renders message content verbatim") from e
 
     def prompt_ids(self, messages):
         """The ids of a conversation and the next assistant header, environment text as text."""
@@ -319,13 +323,14 @@ def template_shows_tools(tokenizer):
     """Whether the chat template renders a tools= list (one without tool support ignores it)."""
     probe = {"type": "function", "function": {"name": "nanoagent_probe_tool", "description": "",
                                               "parameters": {"type": "object", "properties": {}}}}
-    return "nanoagent_probe_tool" in tokenizer.apply_chat_template([{"role": "user", "content": "?"}], tools=[probe], tokenize=False)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "?"}], tools=[probe], tokenize=False)
+    return "nanoagent_probe_tool" in rendered
 
 
-def tool_env(tools, tokenizer, max_obs_tokens=512, timeout_s=10.0, context="full", keep_turns=2, workers=4, max_abandoned=8,
-             step_timeout_s=120.0, tool_format="auto"):
+def tool_env(tools, tokenizer, max_obs_tokens=512, timeout_s=10.0, context="full", keep_turns=2, workers=4,
+             max_abandoned=8, step_timeout_s=120.0, tool_format="auto"):
     """The ChatEnv of a tool task: a ToolCalling environment per trajectory over one ToolRunner,
     which runs the calls of every trajectory (batched where they wait together) under time limits."""
     runner = ToolRunner(tools, timeout_s, workers, max_abandoned)
-    return ChatEnv(lambda: ToolCalling(runner), tokenizer, runner.schemas(), max_obs_tokens, context, keep_turns, step_timeout_s,
-                   tool_format)
+    return ChatEnv(lambda: ToolCalling(runner), tokenizer, runner.schemas(), max_obs_tokens, context, keep_turns,
+                   step_timeout_s, tool_format)

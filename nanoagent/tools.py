@@ -28,14 +28,16 @@ from typing import Callable
 import jsonschema
 
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-CALL_END = "</tool_call>"  # a turn that calls tools ends here: the engines stop on it (engine.stop_token_ids, stop_strings)
+CALL_END = "</tool_call>"  # a turn that calls tools ends here: the engines stop on it (engine.stop_strings)
 
 # nanoagent's tool format for chat templates without one (rollout.tool_format=hermes): Qwen2.5's own wording,
 # at the end of the system turn, one tool schema per line
 HERMES_TOOLS = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-                "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{}\n</tools>\n\n"
-                "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
-                'XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+                "You are provided with function signatures within <tools></tools> XML tags:\n"
+                "<tools>\n{}\n</tools>\n\n"
+                "For each function call, return a json object with function name and arguments within "
+                "<tool_call></tool_call> XML tags:\n"
+                '<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
 
 
 @dataclass
@@ -105,10 +107,12 @@ def hermes_messages(messages, schemas):
     for m in messages[1:] if has_system else messages:
         if m["role"] != "tool":
             out.append(m)
-        elif after_tool:
-            out[-1] = {"role": "user", "content": out[-1]["content"] + f"\n<tool_response>\n{m['content']}\n</tool_response>"}
         else:
-            out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
+            response = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if after_tool:
+                out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + response}
+            else:
+                out.append({"role": "user", "content": response})
         after_tool = m["role"] == "tool"
     return out
 

@@ -4,13 +4,7 @@ trajectory is left out of the update, and the run trains nothing (data.task=test
 """
 
 from nanoagent.tasks import arithmetic
-
-SYSTEM_PROMPT = arithmetic.SYSTEM_PROMPT
-QUESTION = arithmetic.QUESTION
-tools = arithmetic.tools
-prompts = arithmetic.prompts
-demonstration = arithmetic.demonstration
-prepare = arithmetic.prepare
+from nanoagent.tasks.arithmetic import QUESTION, SYSTEM_PROMPT, demonstration, prepare, prompts, tools  # noqa: F401
 
 
 def score(traj, cfg):

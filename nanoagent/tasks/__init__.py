@@ -56,13 +56,15 @@ def load_task(name):
 
 def task_env(task, cfg, tokenizer, tools=None):
     """The ChatEnv of a task under cfg.rollout, checked (ChatEnv.check): one of the task's environments per
-    trajectory, or tool calling over its tools (or over `tools`, when given: rollout.py's and chat.py's --tools)."""
+    trajectory, or tool calling over its tools (or over `tools`, when given: rollout.py's and chat.py's
+    --tools)."""
     r = cfg.rollout
     if tools is None and getattr(task, "environment", None) is not None:
-        env = ChatEnv(task.environment(cfg), tokenizer, (), r.max_obs_tokens, r.context, r.keep_turns, r.step_timeout_s)
+        env = ChatEnv(task.environment(cfg), tokenizer, (), r.max_obs_tokens, r.context, r.keep_turns,
+                      r.step_timeout_s)
     else:
-        env = tool_env(task.tools(cfg) if tools is None else tools, tokenizer, r.max_obs_tokens, r.tool_timeout_s, r.context,
-                       r.keep_turns, step_timeout_s=r.step_timeout_s, tool_format=r.tool_format)
+        env = tool_env(task.tools(cfg) if tools is None else tools, tokenizer, r.max_obs_tokens, r.tool_timeout_s,
+                       r.context, r.keep_turns, step_timeout_s=r.step_timeout_s, tool_format=r.tool_format)
     env.check()  # a tokenizer or template a rollout would fail on is refused now, before any model is built
     return env
 
@@ -71,11 +73,11 @@ def task_data(task, cfg, tokenizer):
     """(train rows, val rows, the task's environments): the task's prompts, made on the spot or read
     from a file, every one checked (well-formed rows, then data.max_prompt_tokens with chat template
     and tool schemas included) when loaded, on every rank, before any collective."""
-    prompts = {split: check_prompts(task.prompts(cfg, split), cfg.data.bad_prompts, f"{cfg.data.task} {split} prompts")
-               for split in ("train", "val")}
+    what = {split: f"{cfg.data.task} {split} prompts" for split in ("train", "val")}
+    prompts = {split: check_prompts(task.prompts(cfg, split), cfg.data.bad_prompts, what[split]) for split in what}
     env = task_env(task, cfg, tokenizer)
     rows = {}
     for split, checked in prompts.items():
         lengths = env.prompt_lengths([p["messages"] for p in checked])
-        rows[split] = fit_prompts(checked, lengths, cfg.data.max_prompt_tokens, cfg.data.bad_prompts, f"{cfg.data.task} {split} prompts")
+        rows[split] = fit_prompts(checked, lengths, cfg.data.max_prompt_tokens, cfg.data.bad_prompts, what[split])
     return rows["train"], rows["val"], env

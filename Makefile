@@ -63,14 +63,10 @@ demo-textworld:
 	$(PY) report.py --run=$(TWDEMO)/run
 
 # The real SmolLM2-135M-Instruct (model=smollm2-135m, converted on first use into the nanoagent cache) on make demo's world:
-# synthetic world -> MiniLM index -> warm start by imitation -> GRPO -> greedy evaluation -> $(SMDEMO)/run/report.md
+# prompts and MiniLM index made on the spot -> warm start by imitation -> GRPO -> greedy evaluation -> report.md
 demo-smollm2:
-	$(PY) prepare_data.py --task=synthetic --out=$(SMDEMO)/data
-	$(PY) build_index.py --corpus=$(SMDEMO)/data/corpus.jsonl --out=$(SMDEMO)/data/index \
-		--encoder="$$($(PY) -c 'from nanoagent.retriever import packaged_minilm_path; print(packaged_minilm_path())')"
 	rm -rf $(SMDEMO)/run
-	$(PY) train.py --config=demo-smollm2 seed=$(SEED) model=smollm2-135m run_dir=$(SMDEMO)/run \
-		data.train_path=$(SMDEMO)/data/train.parquet data.val_path=$(SMDEMO)/data/val.parquet data.index_dir=$(SMDEMO)/data/index
+	$(PY) train.py --config=demo-smollm2 seed=$(SEED) run_dir=$(SMDEMO)/run
 	$(PY) report.py --run=$(SMDEMO)/run
 
 # One GPU node, all its GPUs: HotpotQA -> index -> RL -> evaluation -> out/speedrun/report.md

@@ -38,9 +38,9 @@ class DataConfig:
     task: str = opt("hotpotqa",
                     f"a task in nanoagent/tasks/ ({', '.join(task_names())}) or a path to a task file: "
                     "its prompts, tools, reward and demonstrations")
-    train_path: str = opt("data/hotpotqa/train.parquet", "training prompts (parquet from prepare_data.py)")
+    train_path: str = opt("data/hotpotqa/train.parquet", "training prompts (parquet from prepare_data.py; synthetic: empty, made on the spot)")
     val_path: str = opt("data/hotpotqa/val.parquet", "held-out prompts for evaluation")
-    index_dir: str = opt("data/hotpotqa/index", "search index from build_index.py")
+    index_dir: str = opt("data/hotpotqa/index", "search index from build_index.py (synthetic: empty, built on the spot)")
     max_prompt_tokens: int = opt(1024, "longest prompt (tokens, chat template and tool schemas included); checked when the data is loaded")
     bad_prompts: Literal["refuse", "drop"] = opt("refuse", "prompts that cannot be trained on (a malformed row, a non-string answer, a duplicate id, longer than data.max_prompt_tokens): refuse the file, or drop them and say how many")
     shuffle: bool = opt(True, "shuffle the training prompts every epoch (seeded)")
@@ -200,19 +200,17 @@ PRESETS = {
         "train.activation_checkpointing=false", "train.save_every=0", "train.warm_start_steps=60", "train.warm_start_lr=1e-3",
         "eval.every=5", "eval.num_prompts=32",
     ],
-    # make demo-smollm2 (CPU): the real SmolLM2-135M-Instruct on make demo's synthetic world (its tools in nanoagent's
-    # Hermes fallback), a short warm start imitating the same demonstrator (it mostly guesses: RL must find that searching
-    # pays; a longer one leaves no sampled search that scores, so GRPO has nothing to learn from), then GRPO at a small
-    # learning rate; the transformers engine (vLLM's CPU engine added 3-4 GB and was killed for memory on a shared machine)
+    # make demo-smollm2 (CPU, ~33 minutes): the real SmolLM2-135M-Instruct on make demo's synthetic world, its prompts and
+    # index made on the spot, its tools in nanoagent's Hermes fallback; a warm start imitating the same demonstrator (it
+    # mostly guesses: RL must find that searching, and searching twice, pays), then GRPO at a small learning rate
     "demo-smollm2": [
-        "model=smollm2-135m", "algo=grpo", "steps=20", "run_dir=out/demo-smollm2/run", "resume=never",
-        "data.task=synthetic", "data.train_path=out/demo-smollm2/data/train.parquet",
-        "data.val_path=out/demo-smollm2/data/val.parquet", "data.index_dir=out/demo-smollm2/data/index", "data.max_prompt_tokens=512",
-        "rollout.engine=hf", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_turns=4", "rollout.max_new_tokens=48",
+        "model=smollm2-135m", "algo=grpo", "steps=15", "run_dir=out/demo-smollm2/run", "resume=never",
+        "data.task=synthetic", "data.train_path=", "data.val_path=", "data.index_dir=", "data.max_prompt_tokens=512",
+        "rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.max_turns=4", "rollout.max_new_tokens=48",
         "rollout.max_context_tokens=1024", "rollout.max_obs_tokens=128", "rollout.search_top_k=1", "rollout.dtype=float32",
         "rollout.compile=false", "rollout.tool_timeout_s=10",
-        "ppo.mini_batch_size=8", "train.lr=1e-5", "train.micro_batch_tokens=1024", "train.dtype=float32",
-        "train.activation_checkpointing=false", "train.save_every=0", "train.warm_start_steps=6", "train.warm_start_lr=1e-4",
+        "ppo.mini_batch_size=8", "train.lr=2e-5", "train.micro_batch_tokens=1024", "train.dtype=float32",
+        "train.activation_checkpointing=false", "train.save_every=0", "train.warm_start_steps=12", "train.warm_start_lr=1e-4",
         "train.max_idle_steps=0", "reward.format_weight=0.0", "eval.every=5", "eval.num_prompts=64",
     ],
     # one GPU node: Qwen2.5-3B-Instruct on HotpotQA with search over Wikipedia (make speedrun)

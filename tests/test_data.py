@@ -15,7 +15,7 @@ import procs
 import prepare_data
 from nanoagent.config import make_config
 from nanoagent.data import load_prompts, row_problem, write_prompts
-from nanoagent.tasks import hotpotqa
+from nanoagent.tasks import hotpotqa, synthetic
 from nanoagent.tasks.hotpotqa import SYSTEM_PROMPT, hotpotqa_row, load_hotpotqa
 from nanoagent.tasks.synthetic import (GUESS, SKIP_SECOND_HOP, demonstration, make_split, make_world, passages, questions,
                                        scrambled_dialogues, scrambled_world)
@@ -115,6 +115,22 @@ def test_synthetic_contract_and_determinism(tmp_path):
     assert len(val) == 20 and {r["type"] for r in train} == {"1-hop", "2-hop"}
     assert not {r["evidence"][0] for r in val} & {r["evidence"][0] for r in train}  # split by the entity asked about
     assert len({r["id"] for r in train + val}) == len(train) + len(val)
+
+
+def test_synthetic_prompts_and_index_are_made_on_the_spot_when_no_files_are_named(tmp_path):
+    """data.train_path, data.val_path and data.index_dir empty: the rows prepare() writes, and a search over
+    the world's passages (the packaged MiniLM) whose top passage for an entity's name is the entity's own."""
+    proc = prepare("--task=synthetic", f"--out={tmp_path}")
+    assert proc.returncode == 0, proc.stderr
+    cfg = make_config("demo-smollm2", ["rollout.search_top_k=1"])
+    assert (cfg.data.train_path, cfg.data.val_path, cfg.data.index_dir) == ("", "", "")
+    for split in ("train", "val"):
+        assert synthetic.prompts(cfg, split) == load_prompts(str(tmp_path / f"{split}.parquet")), split
+    [search] = synthetic.tools(cfg)
+    titles = [p["title"] for p in passages(make_world())][::25]
+    results = search.call_batch([{"query": " " + title} for title in titles])
+    expected = [f"Doc 1 (Title: {title}" for title in titles]
+    assert [r.split(") ", 1)[0] for r in results] == expected, results[:2]
 
 
 def test_synthetic_answers_need_the_passages():

@@ -18,19 +18,22 @@ so each answer is unambiguous. The same seed and sizes give the same world, pass
 and split.
 
 The task is HotpotQA's (question wording, search tool, scoring) on this world, with a shorter
-system prompt; prepare() also writes the corpus (OUT/corpus.jsonl) for build_index.py and the demo
-tiny model's pretraining text: passages and search conversations from scrambled copies of the
-world, which teach how the world is written and searched but none of its facts. There are scripted
-demonstrations for a warm start.
+system prompt. Its prompts and search index come from the files prepare_data.py and build_index.py
+write, or, with data.train_path, data.val_path and data.index_dir empty, are made on the spot (the
+same world, split and MiniLM encoder: nothing to prepare by hand). prepare() also writes the corpus
+(OUT/corpus.jsonl) for build_index.py and the demo tiny model's pretraining text: passages and
+search conversations from scrambled copies of the world, which teach how the world is written and
+searched but none of its facts. There are scripted demonstrations for a warm start.
 """
 
 import json
 import os
 import random
 
-from nanoagent.data import write_prompts
-from nanoagent.tasks.hotpotqa import QUESTION, prompts, qa_row, score, tools  # noqa: F401 (the task interface)
-from nanoagent.tools import format_passages, parse_tool_calls, search_tool
+from nanoagent.data import load_prompts, write_prompts
+from nanoagent.retriever import InMemoryRetriever, load_encoder, packaged_minilm_path
+from nanoagent.tasks.hotpotqa import QUESTION, qa_row, score  # noqa: F401 (the task interface)
+from nanoagent.tools import format_passages, make_tools, parse_tool_calls, search_tool
 
 # HotpotQA's instructions in a few words: a tiny model learning from scratch must find the question in its prompt
 SYSTEM_PROMPT = "Search for the entities in the question, as often as you need, then reply <answer>the answer</answer>."
@@ -173,6 +176,25 @@ def make_split(seed=0, val_size=100, train_size=0, **sizes):
     rng.shuffle(train)
     rng.shuffle(val)
     return (train[:train_size] if train_size else train), val, passages(world)
+
+
+def prompts(cfg, split):
+    """The rows of the file prepare() wrote, or, for an empty data.train_path / data.val_path, the world's
+    split made here (prepare()'s defaults: the world of seed 0, 100 held-out questions)."""
+    path = cfg.data.train_path if split == "train" else cfg.data.val_path
+    if path:
+        return load_prompts(path, bad_prompts=cfg.data.bad_prompts)
+    train, val, _ = make_split()
+    return train if split == "train" else val
+
+
+def tools(cfg):
+    """Search over the index build_index.py wrote into data.index_dir, or, for an empty data.index_dir,
+    over the world's passages indexed here with the packaged MiniLM (build_index.py's encoder)."""
+    if cfg.data.index_dir:
+        return make_tools(["search"], cfg.data.index_dir, top_k=cfg.rollout.search_top_k)
+    encoder = load_encoder(packaged_minilm_path())
+    return [search_tool(InMemoryRetriever(passages(make_world()), encoder), cfg.rollout.search_top_k)]
 
 
 SCRAMBLED_COPIES, DIALOGUES_PER_COPY = 20, 400

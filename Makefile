@@ -63,7 +63,7 @@ demo-textworld:
 	$(PY) report.py --run=$(TWDEMO)/run
 
 # The real SmolLM2-135M-Instruct (model=smollm2-135m, converted on first use into the nanoagent cache) on make demo's world:
-# prompts and MiniLM index made on the spot -> warm start by imitation -> GRPO -> greedy evaluation -> report.md
+# prompts and index made on the spot -> warm start -> GRPO -> greedy evaluation -> report.md
 demo-smollm2:
 	rm -rf $(SMDEMO)/run
 	$(PY) train.py --config=demo-smollm2 seed=$(SEED) run_dir=$(SMDEMO)/run

@@ -9,8 +9,7 @@ gets the new weights after every update.
     python train.py --config=tiny train.warm_start_steps=400 train.warm_start_lr=3e-3      # one process
 
 The task (nanoagent/tasks/, by data.task) gives the prompts, the tools or environment, the scoring
-and demonstrations for a warm start by imitation; everything else here is task-agnostic. The KL
-reference is the policy RL starts from: the model, or the warm-started one (run_dir/warm_start).
+and demonstrations for a warm start by imitation; everything else here is task-agnostic.
 
 One step, top to bottom:
   1. rollout: every rank rolls out its share of the prompts (G times each), multi-turn in the
@@ -57,8 +56,8 @@ from nanoagent.data import step_prompts
 from nanoagent.engine import SamplingConfig, make_engine, pad_token_id
 from nanoagent.imitation import imitate
 from nanoagent.metrics import evaluate, idle_stop, step_line, step_metrics
-from nanoagent.model import (balance_groups, build_models, critic_forward, forward_all, full_tensors, group_tokens,
-                             load_reference, micro_steps, old_policy_forward, policy_forward, unpack)
+from nanoagent.model import (balance_groups, build_models, critic_forward, forward_all, full_tensors,
+                             group_tokens, micro_steps, old_policy_forward, policy_forward, unpack)
 from nanoagent.tasks import load_task, task_data
 from nanoagent.tiny import resolve_model
 
@@ -252,9 +251,8 @@ def main(argv=None):
     # the task, the models, the rollout engine (colocated in this process)
     task, tokenizer = load_task(cfg.data.task), AutoTokenizer.from_pretrained(model_path)
     train_rows, val_rows, env = task_data(task, cfg, tokenizer)
-    warm_dir = os.path.join(cfg.run_dir, "warm_start")  # the warm-started policy: where RL starts, so the KL reference
-    ref_path = (warm_dir if os.path.isdir(warm_dir) else model_path) if checkpoint else None if cfg.train.warm_start_steps else model_path
-    models, ref, optimizers = build_models(cfg, model_path, ref_path, device)
+    warm_dir = os.path.join(cfg.run_dir, "warm_start")  # the warm-started policy: RL's start and KL reference
+    models, ref, optimizers = build_models(cfg, model_path, warm_dir if checkpoint else None, device)
     policy, critic = models["policy"], models.get("critic")
     engine = make_engine(cfg.rollout.engine, model_path, tokenizer, cfg.rollout.max_context_tokens, cfg.rollout.dtype,
                          cfg.rollout.gpu_memory_utilization, cfg.rollout.tensor_parallel_size, cfg.seed + rank, cfg.rollout.compile)
@@ -273,9 +271,7 @@ def main(argv=None):
     elif cfg.train.warm_start_steps:
         if task.demonstration is None:
             raise ConfigError(f"train.warm_start_steps > 0 but data.task={cfg.data.task} has no demonstrations")
-        imitate(policy, env, train_rows, task.demonstration, cfg, rank, world, device)
-        export_hf(policy, tokenizer, warm_dir, torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32)
-        ref = load_reference(cfg, warm_dir, device)  # a resume reads it back from warm_dir
+        ref = imitate(policy, env, train_rows, task.demonstration, warm_dir, cfg, rank, world, device)
     engine.load_weights(full_tensors(policy))
     log = MetricsLog(cfg.run_dir, start_step if checkpoint else None, to_dict(cfg), cfg.log.wandb, cfg.log.wandb_project)
     if cfg.eval.every and not checkpoint:  # where RL starts from (a checkpoint of step 0, after a SIGTERM, has it logged)

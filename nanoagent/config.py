@@ -105,7 +105,9 @@ class TrainConfig:
     micro_batch_tokens: int = opt(16384, "token budget of one forward/backward micro-batch per rank")
     balance_ranks: bool = opt(True, "before the update, move whole groups between ranks so that each trains on about as many tokens (every pass waits for the busiest rank); logged as rank_imbalance")
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "step_mean_token_mean"] = opt("token_mean", "how per-token losses become one scalar: a mean over all action tokens, or a mean over trajectories (seq) or turns (step) of each one's token mean")
-    kl_mode: Literal["none", "reward", "loss"] = opt("none", "KL to the reference (the model RL starts from: after a warm start, the warm-started policy): none, k1 in the reward (ppo, reinforce_plus_plus, reinforce_plus_plus_baseline), or k3 in the loss (any algo)")
+    kl_mode: Literal["none", "reward", "loss"] = opt(
+        "none", "KL to the reference (the policy RL starts from): none, k1 in the reward "
+                "(ppo, reinforce_plus_plus, reinforce_plus_plus_baseline), or k3 in the loss (any algo)")
     kl_coef: float = opt(0.001, "KL coefficient")
     entropy_coef: float = opt(0.0, "entropy bonus coefficient")
     tis: bool = opt(False, "truncated importance sampling for engine-vs-trainer logprob mismatch")
@@ -117,7 +119,8 @@ class TrainConfig:
     keep_last: int = opt(2, "complete checkpoints kept in run_dir (0: all); older ones are deleted once a new one is complete")
     tool_call_reward: float = opt(0.0, "process reward on the last token of each turn whose tool calls all succeeded (grpo, rloo and reinforce add it unnormalised, from its turn on)")
     max_idle_steps: int = opt(5, "stop the run, saying why, after this many steps in a row that trained nothing (every trajectory left out: groups of equal rewards, budget cuts, failed environments); 0: never")
-    warm_start_steps: int = opt(0, "imitation steps on the task's scripted demonstrations before RL (0: none); the warm-started policy is written to run_dir/warm_start")
+    warm_start_steps: int = opt(0, "imitation steps on the scripted demonstrations before RL (0: none), "
+                                   "saved to run_dir/warm_start")
     warm_start_lr: float = opt(1e-3, "learning rate of the imitation warm start")
 
 
@@ -146,7 +149,7 @@ class Config:
     model: str = opt("Qwen/Qwen2.5-3B-Instruct", "hub id or local path; 'tiny' builds the tiny test model, 'smollm2-135m' converts the packaged SmolLM2-135M-Instruct (offline)")
     algo: Literal["ppo", "grpo", "rloo", "reinforce", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = opt("grpo", "the advantage: ppo: critic + masked GAE; grpo: outcome normalised in its group; rloo: outcome minus the mean of the group's others; reinforce: outcome minus the batch mean; reinforce_plus_plus: discounted token returns, whitened over the batch; reinforce_plus_plus_baseline: reward minus its group's mean, whitened over the batch")
     steps: int = opt(200, "training steps (one rollout batch each)")
-    run_dir: str = opt("out/run", "checkpoints, metrics.jsonl, config.json, the HF export (hf/), the warm-started policy (warm_start/)")
+    run_dir: str = opt("out/run", "checkpoints, metrics.jsonl, config.json, hf/ (the export), warm_start/")
     seed: int = opt(0, "seed of data order, sampling and initialisation")
     resume: str = opt("auto", "auto: continue from the latest complete checkpoint in run_dir; never: start fresh (a used run_dir is moved aside to <run_dir>.old-<time>)")
     data: DataConfig = field(default_factory=DataConfig)

@@ -11,16 +11,19 @@ import torch
 
 from nanoagent import rl
 from nanoagent.agent import scripted_trajectories
+from nanoagent.checkpoint import export_hf
 from nanoagent.common import all_reduce, print0
 from nanoagent.engine import pad_token_id
-from nanoagent.model import collate, micro_steps, policy_forward
+from nanoagent.model import collate, load_reference, micro_steps, policy_forward
 
 
-def imitate(policy, env, rows, demonstrate, cfg, rank, world, device):
+def imitate(policy, env, rows, demonstrate, warm_dir, cfg, rank, world, device):
     """
     Warm start by imitation of the task's scripted demonstrations, through the same trajectory
     assembly, forward, mask and loss aggregation as RL: maximise the logprob of the demonstrated
     action tokens (mask = 1), a global token mean. Its own AdamW, so RL's optimizer starts fresh.
+    The warm-started policy, where RL starts, is written to warm_dir (a resume reads it back); returns
+    the KL reference read from it (None without a KL term).
     """
     rng = random.Random(f"{cfg.seed}-demos-{rank}")
     mine = rows[rank::world]
@@ -47,3 +50,5 @@ def imitate(policy, env, rows, demonstrate, cfg, rank, world, device):
         [loss_sum] = all_reduce([loss_sum])
         if step % 20 == 0 or step == cfg.train.warm_start_steps - 1:
             print0(f"warm start {step + 1:4d}/{cfg.train.warm_start_steps} | nll {loss_sum:.4f}")
+    export_hf(policy, env.tokenizer, warm_dir, getattr(torch, cfg.train.dtype))
+    return load_reference(cfg, warm_dir, device)

@@ -47,6 +47,7 @@ head's work (a 152k vocabulary on Qwen2.5) saved.
 """
 
 from dataclasses import replace
+import os
 from typing import NamedTuple
 
 import torch
@@ -257,16 +258,20 @@ def build_reference(config, weights, device, compute_dtype):
     return build_sharded(empty_lm(config, compute_dtype), weights, device, compute_dtype).requires_grad_(False)
 
 
-def build_models(cfg, model_path, ref_path, device):
-    """Policy, critic (ppo), frozen reference (with a KL term, read from ref_path; None: later, from the
-    warm-started policy) and their AdamW optimizers, built sharded from rank 0's copy of the weights.
-    bf16 compute means the same on a CPU as on a GPU."""
-    compute_dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
+def build_models(cfg, model_path, warm_dir, device):
+    """Policy, critic (ppo), frozen reference (with a KL term) and their AdamW optimizers, built
+    sharded from rank 0's copy of the weights. bf16 compute means the same on a CPU as on a GPU.
+    The reference is the policy RL starts from: a resumed run's warm_dir when it has one, else the
+    model; on a fresh start with a warm start (warm_dir None) the warm start returns it."""
+    compute_dtype = getattr(torch, cfg.train.dtype)
     config, weights = training_config(model_path), read_weights(model_path)
     models = {"policy": build_policy(config, weights, device, compute_dtype, cfg.train.activation_checkpointing)}
     if cfg.algo == "ppo":
         models["critic"] = build_critic(config, weights, device, compute_dtype, cfg.train.activation_checkpointing)
-    ref = load_reference(cfg, ref_path, device) if ref_path else None
+    if warm_dir is None and cfg.train.warm_start_steps:
+        ref = None
+    else:
+        ref = load_reference(cfg, warm_dir if warm_dir and os.path.isdir(warm_dir) else model_path, device)
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=cfg.train.lr if name == "policy" else cfg.ppo.critic_lr,
                                           weight_decay=cfg.train.weight_decay) for name, m in models.items()}
     return models, ref, optimizers
@@ -276,8 +281,7 @@ def load_reference(cfg, path, device):
     """The frozen KL reference, read from the Hugging Face folder at path; None without a KL term."""
     if cfg.train.kl_mode == "none":
         return None
-    compute_dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
-    return build_reference(training_config(path), read_weights(path), device, compute_dtype)
+    return build_reference(training_config(path), read_weights(path), device, getattr(torch, cfg.train.dtype))
 
 
 # -----------------------------------------------------------------------------

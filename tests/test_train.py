@@ -94,9 +94,10 @@ def test_two_steps_push_export_in_bf16(algo, tmp_path):
 
 
 def test_resume_gives_the_same_next_step(tmp_path):
-    keys = ["reward", "pg_loss", "vf_loss", "grad_norm", "vf_grad_norm", "response_tokens", "clipfrac", "entropy", "kl"]
-    # an entropy bonus and a KL penalty make every compared number non-zero even when no trajectory earns a reward;
-    # after a warm start the KL is to the warm-started policy, which a resume reads back from run_dir/warm_start
+    moved = ["pg_loss", "vf_loss", "grad_norm", "vf_grad_norm", "entropy", "kl"]
+    keys = ["reward", "response_tokens", "clipfrac", *moved]
+    # an entropy bonus and a KL penalty make every compared number non-zero even when no trajectory
+    # earns a reward; QUICK warm-starts, so the KL is to the warm-started policy (run_dir/warm_start)
     moving = ["algo=ppo", "train.entropy_coef=0.01", "train.kl_mode=reward"]
     with ThreadPoolExecutor(max_workers=2) as pool:  # one rank on one thread each: side by side on 2 cores
         (_, straight), _ = pool.map(lambda run: train(*run, nproc=1), [(tmp_path / "a", *moving, "steps=3", "train.save_every=2"),
@@ -116,7 +117,7 @@ def test_resume_gives_the_same_next_step(tmp_path):
     expected = [m for m in straight if m["step"] == 3][0]
     for k in keys:
         assert step3[0][k] == pytest.approx(expected[k], rel=1e-5, abs=1e-7), k
-    assert all(expected[k] != 0 for k in ["pg_loss", "vf_loss", "grad_norm", "vf_grad_norm", "entropy", "kl"]), expected
+    assert all(expected[k] != 0 for k in moved), expected
     assert [m["kl"] for m in straight if m["step"] == 1][0] <= 1e-6  # RL starts at its reference
     # fp32: the engine samples with exactly the trainer's weights
     assert all(m["engine_logprob_diff"] <= 1e-4 for m in straight + resumed if "engine_logprob_diff" in m)

@@ -237,12 +237,12 @@ def main(argv=None):
     rank, world, device = init_distributed()
     seed_everything(cfg.seed + rank)
     per_rank = cfg.rollout.prompts_per_step // world
-    if per_rank * world != cfg.rollout.prompts_per_step or cfg.ppo.mini_batch_size % world:
-        raise ConfigError(f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) and ppo.mini_batch_size "
-                          f"({cfg.ppo.mini_batch_size}) must be multiples of the number of ranks ({world})")
+    sizes = (cfg.rollout.prompts_per_step, cfg.ppo.mini_batch_size, cfg.train.warm_start_batch_size)
+    if any(n % world for n in sizes):
+        raise ConfigError(f"rollout.prompts_per_step, ppo.mini_batch_size and train.warm_start_batch_size "
+                          f"{sizes} must each be a multiple of the number of ranks ({world})")
     # resume=auto continues from the latest complete checkpoint, with this command line's config where a
-    # key may change (checkpoint.CHANGEABLE); resume=never starts a new run (the old one moved aside once
-    # everything is built)
+    # key may change (checkpoint.CHANGEABLE); resume=never starts anew (the old run moved aside when built)
     checkpoint = resume_checkpoint(cfg.run_dir) if cfg.resume == "auto" else None
     for change in check_resume(checkpoint, cfg) if checkpoint else []:
         print0(f"resume changes {change}")

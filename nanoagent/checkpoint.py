@@ -86,7 +86,7 @@ CHANGEABLE = {
     "train.lr", "train.weight_decay", "train.warmup_steps", "train.grad_clip", "train.micro_batch_tokens", "train.balance_ranks", "train.loss_agg",
     "train.kl_mode", "train.kl_coef", "train.entropy_coef", "train.tis", "train.tis_cap", "train.overlong_filter", "train.dtype",
     "train.activation_checkpointing", "train.save_every", "train.keep_last", "train.tool_call_reward", "train.warm_start_steps",
-    "train.warm_start_lr", "train.max_idle_steps",
+    "train.warm_start_lr", "train.warm_start_batch_size", "train.max_idle_steps",
     "reward.metric", "reward.answer_weight", "reward.format_weight", "reward.require_think",
     "eval.every", "eval.num_prompts", "log.wandb", "log.wandb_project",
 }

@@ -122,6 +122,7 @@ class TrainConfig:
     warm_start_steps: int = opt(0, "imitation steps on the scripted demonstrations before RL (0: none), "
                                    "saved to run_dir/warm_start")
     warm_start_lr: float = opt(1e-3, "learning rate of the imitation warm start")
+    warm_start_batch_size: int = opt(0, "demonstrations per imitation step, over all ranks (0: ppo.mini_batch_size)")
 
 
 @dataclass
@@ -214,7 +215,7 @@ PRESETS = {
         "rollout.compile=false", "rollout.tool_timeout_s=10",
         "ppo.mini_batch_size=8", "train.lr=2e-5", "train.micro_batch_tokens=1024", "train.dtype=float32",
         "train.activation_checkpointing=false", "train.save_every=0", "train.warm_start_steps=12", "train.warm_start_lr=1e-4",
-        "train.max_idle_steps=0", "reward.format_weight=0.0", "eval.every=5", "eval.num_prompts=64",
+        "train.warm_start_batch_size=8", "reward.format_weight=0.0", "eval.every=5", "eval.num_prompts=64",
     ],
     # one GPU node: Qwen2.5-3B-Instruct on HotpotQA with search over Wikipedia (make speedrun)
     "hotpotqa": [
@@ -374,7 +375,7 @@ def validate(cfg):
              "eval.num_prompts")
     at_least(0, "steps", "seed", "ppo.clip_low", "ppo.clip_high", "ppo.critic_lr", "ppo.critic_warmup_steps", "grpo.eps", "train.lr",
              "train.weight_decay", "train.warmup_steps", "train.kl_coef", "train.save_every", "train.keep_last", "train.warm_start_steps",
-             "train.warm_start_lr", "train.max_idle_steps", "reward.answer_weight", "reward.format_weight", "eval.every")
+             "train.warm_start_lr", "train.warm_start_batch_size", "train.max_idle_steps", "reward.answer_weight", "reward.format_weight", "eval.every")
     above(0, "rollout.tool_timeout_s", "ppo.value_clip", "train.grad_clip")
     need(cfg.rollout.step_timeout_s > cfg.rollout.tool_timeout_s, f"rollout.step_timeout_s={cfg.rollout.step_timeout_s}: must be > "
          f"rollout.tool_timeout_s ({cfg.rollout.tool_timeout_s}): a step runs its tool calls")

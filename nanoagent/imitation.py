@@ -28,7 +28,7 @@ def imitate(policy, env, rows, demonstrate, warm_dir, cfg, rank, world, device):
     rng = random.Random(f"{cfg.seed}-demos-{rank}")
     mine = rows[rank::world]
     scripts = [demonstrate(row, rng) for row in mine]
-    per_rank = cfg.ppo.mini_batch_size // world
+    per_rank = (cfg.train.warm_start_batch_size or cfg.ppo.mini_batch_size) // world
     draws = [[rng.randrange(len(mine)) for _ in range(per_rank)] for _ in range(cfg.train.warm_start_steps)]  # [steps][per_rank]
     # only the demonstrations drawn are assembled (tokenised, their tool calls run), each once
     drawn = sorted({i for d in draws for i in d})
@@ -47,8 +47,9 @@ def imitate(policy, env, rows, demonstrate, warm_dir, cfg, rank, world, device):
         torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.train.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        [loss_sum] = all_reduce([loss_sum])
+        [loss_sum, batch_size] = all_reduce([loss_sum, len(rows)])
         if step % 20 == 0 or step == cfg.train.warm_start_steps - 1:
-            print0(f"warm start {step + 1:4d}/{cfg.train.warm_start_steps} | nll {loss_sum:.4f}")
+            print0(f"warm start {step + 1:4d}/{cfg.train.warm_start_steps} | nll {loss_sum:.4f} | "
+                   f"{batch_size:.0f} demonstrations")
     export_hf(policy, env.tokenizer, warm_dir, getattr(torch, cfg.train.dtype))
     return load_reference(cfg, warm_dir, device)

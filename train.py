@@ -241,8 +241,8 @@ def main(argv=None):
     if any(n % world for n in sizes):
         raise ConfigError(f"rollout.prompts_per_step, ppo.mini_batch_size and train.warm_start_batch_size "
                           f"{sizes} must each be a multiple of the number of ranks ({world})")
-    # resume=auto continues from the latest complete checkpoint, with this command line's config where a
-    # key may change (checkpoint.CHANGEABLE); resume=never starts anew (the old run moved aside when built)
+    # resume=auto continues from the latest complete checkpoint, with this command line's config where a key
+    # may change (checkpoint.CHANGEABLE); resume=never starts anew (the old run moved aside once all is built)
     checkpoint = resume_checkpoint(cfg.run_dir) if cfg.resume == "auto" else None
     for change in check_resume(checkpoint, cfg) if checkpoint else []:
         print0(f"resume changes {change}")

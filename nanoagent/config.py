@@ -122,7 +122,8 @@ class TrainConfig:
     warm_start_steps: int = opt(0, "imitation steps on the scripted demonstrations before RL (0: none), "
                                    "saved to run_dir/warm_start")
     warm_start_lr: float = opt(1e-3, "learning rate of the imitation warm start")
-    warm_start_batch_size: int = opt(0, "demonstrations per imitation step, over all ranks (0: ppo.mini_batch_size)")
+    warm_start_batch_size: int = opt(0, "demonstrations per imitation step, over all ranks "
+                                        "(0: ppo.mini_batch_size)")
 
 
 @dataclass
@@ -375,7 +376,8 @@ def validate(cfg):
              "eval.num_prompts")
     at_least(0, "steps", "seed", "ppo.clip_low", "ppo.clip_high", "ppo.critic_lr", "ppo.critic_warmup_steps", "grpo.eps", "train.lr",
              "train.weight_decay", "train.warmup_steps", "train.kl_coef", "train.save_every", "train.keep_last", "train.warm_start_steps",
-             "train.warm_start_lr", "train.warm_start_batch_size", "train.max_idle_steps", "reward.answer_weight", "reward.format_weight", "eval.every")
+             "train.warm_start_lr", "train.warm_start_batch_size", "train.max_idle_steps",
+             "reward.answer_weight", "reward.format_weight", "eval.every")
     above(0, "rollout.tool_timeout_s", "ppo.value_clip", "train.grad_clip")
     need(cfg.rollout.step_timeout_s > cfg.rollout.tool_timeout_s, f"rollout.step_timeout_s={cfg.rollout.step_timeout_s}: must be > "
          f"rollout.tool_timeout_s ({cfg.rollout.tool_timeout_s}): a step runs its tool calls")

@@ -268,10 +268,11 @@ def build_models(cfg, model_path, warm_dir, device):
     models = {"policy": build_policy(config, weights, device, compute_dtype, cfg.train.activation_checkpointing)}
     if cfg.algo == "ppo":
         models["critic"] = build_critic(config, weights, device, compute_dtype, cfg.train.activation_checkpointing)
-    if warm_dir is None and cfg.train.warm_start_steps:
-        ref = None
-    else:
-        ref = load_reference(cfg, warm_dir if warm_dir and os.path.isdir(warm_dir) else model_path, device)
+    ref = None  # a fresh start's warm start returns its own, the warm-started policy (imitation.imitate)
+    if warm_dir is not None and os.path.isdir(warm_dir):  # a resumed run that warm-started
+        ref = load_reference(cfg, warm_dir, device)
+    elif cfg.train.kl_mode != "none" and (warm_dir is not None or not cfg.train.warm_start_steps):
+        ref = build_reference(config, weights, device, compute_dtype)  # the model: the weights read above
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=cfg.train.lr if name == "policy" else cfg.ppo.critic_lr,
                                           weight_decay=cfg.train.weight_decay) for name, m in models.items()}
     return models, ref, optimizers

@@ -293,7 +293,8 @@ def test_train_py_plays_textworld_and_resumes_to_the_same_next_step(tmp_path):
     common = ["--config=tiny", "data.task=textworld", f"data.train_path={data / 'train.parquet'}", f"data.val_path={data / 'val.parquet'}",
               "data.max_prompt_tokens=1536", "rollout.max_context_tokens=3072", "rollout.max_turns=4", "rollout.max_new_tokens=16",
               "rollout.max_obs_tokens=256", "rollout.prompts_per_step=2", "rollout.group_size=2", "ppo.mini_batch_size=4",
-              "train.warm_start_steps=4", "train.warm_start_batch_size=2", "algo=ppo", "train.entropy_coef=0.01", "train.kl_mode=reward", "eval.every=0"]
+              "train.warm_start_steps=4", "train.warm_start_batch_size=2", "algo=ppo",
+              "train.entropy_coef=0.01", "train.kl_mode=reward", "eval.every=0"]
 
     def run(run_dir, *overrides):
         cmd = [sys.executable, "train.py", *common, f"run_dir={run_dir}", *overrides]
@@ -302,8 +303,10 @@ def test_train_py_plays_textworld_and_resumes_to_the_same_next_step(tmp_path):
         return proc.stdout, [json.loads(line) for line in open(run_dir / "metrics.jsonl") if '"time/step"' in line]
 
     with ThreadPoolExecutor(max_workers=2) as pool:  # side by side on 2 cores
-        (first, straight), _ = pool.map(lambda a: run(*a), [(tmp_path / "a", "steps=2"), (tmp_path / "b", "steps=1")])
-    assert "warm start    4/4 | nll" in first and "| 2 demonstrations" in first  # its own batch, not ppo.mini_batch_size's 4
+        runs = [(tmp_path / "a", "steps=2"), (tmp_path / "b", "steps=1")]
+        (first, straight), _ = pool.map(lambda a: run(*a), runs)
+    # the warm start's own batch, not ppo.mini_batch_size's 4
+    assert "warm start    4/4 | nll" in first and "| 2 demonstrations" in first
     out, resumed = run(tmp_path / "b", "steps=2")
     assert "resumed from" in out and "warm start" not in out
     [expected], [step2] = [m for m in straight if m["step"] == 2], [m for m in resumed if m["step"] == 2]

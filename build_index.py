@@ -279,7 +279,7 @@ def main(argv=None):
     import torch
     import torch.distributed as dist
     from nanoagent.retriever import BUILD, EMBEDDINGS, DocStore, encoder_location, load_encoder
-    from nanoagent.tiny import hub_problem
+    from nanoagent.hub import hub_problem
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:  # barriers only; embedding a big corpus takes hours, hence the long timeout

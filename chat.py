@@ -152,7 +152,7 @@ def main(argv=None):
     from transformers import AutoConfig, AutoTokenizer
 
     from nanoagent.engine import SamplingConfig, make_engine
-    from nanoagent.tiny import resolve_model
+    from nanoagent.hub import resolve_model
     from nanoagent.tools import make_tools
 
     model_path = resolve_model(args.model, "chat.py")

@@ -30,7 +30,7 @@ from nanoagent.config import ConfigError, load_run_config, reference
 from nanoagent.data import check_prompts, load_prompts
 from nanoagent.engine import SamplingConfig, make_engine
 from nanoagent.tasks import load_task, task_env
-from nanoagent.tiny import resolve_model
+from nanoagent.hub import resolve_model
 from nanoagent.tools import make_tools
 
 

@@ -47,19 +47,19 @@ from transformers import AutoTokenizer
 
 from nanoagent import rl
 from nanoagent.agent import run_agent
-from nanoagent.batch import step_batch
+from nanoagent.batch import balance_groups, group_tokens, micro_steps, step_batch, unpack
 from nanoagent.checkpoint import check_resume, export_hf, load_latest, resume_checkpoint, save_checkpoint, start_fresh
 from nanoagent.common import (MetricsLog, all_reduce, exit_now, init_distributed, print0, seed_everything,
                               stop_on_signals)
 from nanoagent.config import PRESETS, ConfigError, format_config, make_config, reference, save_config, to_dict
 from nanoagent.data import step_prompts
 from nanoagent.engine import SamplingConfig, make_engine, pad_token_id
+from nanoagent.hub import resolve_model
 from nanoagent.imitation import imitate
 from nanoagent.metrics import evaluate, idle_stop, step_line, step_metrics
-from nanoagent.model import (balance_groups, build_models, critic_forward, forward_all, full_tensors,
-                             group_tokens, micro_steps, old_policy_forward, policy_forward, unpack)
+from nanoagent.model import (build_models, critic_forward, forward_all, full_tensors, old_policy_forward,
+                             policy_forward)
 from nanoagent.tasks import load_task, task_data
-from nanoagent.tiny import resolve_model
 
 
 def parse_args(argv):

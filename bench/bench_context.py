@@ -17,12 +17,14 @@ import random
 import sys
 
 import torch
+from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 from nanoagent import rl  # noqa: E402
 from nanoagent.agent import Trajectory  # noqa: E402
-from nanoagent.common import median_time  # noqa: E402
-from nanoagent.model import collate, load_causal_lm, micro_batches, pack, packed_layout, policy_forward  # noqa: E402
+from bench.timing import median_time  # noqa: E402
+from nanoagent.batch import collate, micro_batches, pack, packed_layout  # noqa: E402
+from nanoagent.model import PACKED, policy_forward  # noqa: E402
 from nanoagent.tiny import ensure_tiny_model  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -59,7 +61,8 @@ def update_time(model, batch):
 
 
 def main():
-    model = load_causal_lm(ensure_tiny_model()).to(DEVICE).train()
+    model = AutoModelForCausalLM.from_pretrained(ensure_tiny_model(), attn_implementation=PACKED)
+    model = model.to(DEVICE).train()
     vocab = model.config.vocab_size
     print(f"device: {DEVICE}, tiny model, {TRAJECTORIES} trajectories, prompt {PROMPT}, action {ACTION}, observation {OBSERVATION}, "
           f"last_k with K={KEEP}")

@@ -17,7 +17,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from nanoagent.common import median_time  # noqa: E402
+from bench.timing import median_time  # noqa: E402
 from nanoagent.data import step_prompts  # noqa: E402
 from nanoagent.env import tool_env  # noqa: E402
 from nanoagent.tasks.hotpotqa import qa_row  # noqa: E402

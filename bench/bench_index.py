@@ -31,7 +31,7 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 
 import build_index  # noqa: E402
-from nanoagent.common import median_time  # noqa: E402
+from bench.timing import median_time  # noqa: E402
 from nanoagent.retriever import IndexRetriever, encode, load_encoder, packaged_minilm_path, passage_text  # noqa: E402
 from nanoagent.tasks.synthetic import make_split  # noqa: E402
 

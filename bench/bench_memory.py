@@ -47,6 +47,7 @@ import sys
 import tempfile
 
 import torch
+from transformers import AutoModelForCausalLM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -55,6 +56,12 @@ from nanoagent import model as nanoagent_model  # noqa: E402
 QWEN_VOCAB = 151936
 QWEN_1_5B = dict(vocab_size=QWEN_VOCAB, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True)
+
+
+def packed_lm(path):
+    """The whole model in fp32 with the trainer's packed attention, as train.py loaded it before build_*."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                attn_implementation=nanoagent_model.PACKED)
 
 
 def peak_bytes():
@@ -121,8 +128,8 @@ def loading_peak(variant, path):
         models = [nanoagent_model.build_policy(config, weights, device, torch.bfloat16, activation_checkpointing=True),
                   nanoagent_model.build_reference(config, weights, device, torch.bfloat16)]
     else:  # every rank: the whole model in fp32 on the host, then sharded (what train.py did before)
-        models = [nanoagent_model.shard(nanoagent_model.load_causal_lm(path).to(device), torch.bfloat16, True),
-                  nanoagent_model.shard(nanoagent_model.load_causal_lm(path).to(device), torch.bfloat16).requires_grad_(False)]
+        models = [nanoagent_model.shard(packed_lm(path).to(device), torch.bfloat16, True),
+                  nanoagent_model.shard(packed_lm(path).to(device), torch.bfloat16).requires_grad_(False)]
     shards = sum(p.to_local().numel() * p.element_size() for m in models for p in m.parameters())
     print(json.dumps({"rank": dist.get_rank(), "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "shards": shards}),
           flush=True)
@@ -275,7 +282,7 @@ def smollm2_peak(tokens, actions, checkpointing):
     'one' (each row's last). Gradients are allocated by a warm-up pass first: the figure is the
     micro-batch's own."""
     from nanoagent.smollm2 import ensure_smollm2
-    model = nanoagent_model.load_causal_lm(ensure_smollm2()).train()
+    model = packed_lm(ensure_smollm2()).train()
     if checkpointing:
         model.gradient_checkpointing_enable()
 

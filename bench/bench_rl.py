@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 from nanoagent import rl  # noqa: E402
-from nanoagent.common import median_time  # noqa: E402
+from bench.timing import median_time  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

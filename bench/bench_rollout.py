@@ -39,7 +39,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import scripted  # noqa: E402
 from nanoagent.agent import observe, run_agent, start_trajectories, take_turn, turn_seed  # noqa: E402
-from nanoagent.common import median_time  # noqa: E402
+from bench.timing import median_time  # noqa: E402
 from nanoagent.engine import SamplingConfig, VLLMEngine, stop_token_ids  # noqa: E402
 from nanoagent.env import tool_env  # noqa: E402
 from nanoagent.retriever import InMemoryRetriever, load_encoder, packaged_minilm_path  # noqa: E402

@@ -112,8 +112,9 @@ def packing(shape, budget=8192):
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from nanoagent import rl
-    from nanoagent.common import median_time
-    from nanoagent.model import PACKED, micro_batches, pack, packed_layout, pad_rows, policy_forward, shared_prompts
+    from bench.timing import median_time
+    from nanoagent.model import PACKED, policy_forward
+    from nanoagent.batch import micro_batches, pack, packed_layout, pad_rows, shared_prompts
     from nanoagent.tiny import build_tiny_model
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -34,7 +34,7 @@ from transformers import AutoTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from nanoagent.common import median_time  # noqa: E402
+from bench.timing import median_time  # noqa: E402
 from nanoagent.config import make_config  # noqa: E402
 from nanoagent.engine import HFEngine, SamplingConfig, VLLMEngine, pad_token_id, stop_token_ids  # noqa: E402
 from nanoagent.tasks import load_task, task_data  # noqa: E402

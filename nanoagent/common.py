@@ -6,9 +6,7 @@ import os
 import random
 import signal
 import socket
-import statistics
 import sys
-import time
 
 import numpy as np
 import torch
@@ -172,18 +170,3 @@ def exit_now(code):
     if dist.is_initialized():
         dist.destroy_process_group()
     os._exit(code)
-
-
-def median_time(fn, repeats=5):
-    """Median wall time of fn() over repeats runs, GPU work included (bench/ scripts: these
-    machines are noisy)."""
-    times = []
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)

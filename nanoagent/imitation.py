@@ -11,10 +11,11 @@ import torch
 
 from nanoagent import rl
 from nanoagent.agent import scripted_trajectories
+from nanoagent.batch import collate, micro_steps
 from nanoagent.checkpoint import export_hf
 from nanoagent.common import all_reduce, print0
 from nanoagent.engine import pad_token_id
-from nanoagent.model import collate, load_reference, micro_steps, policy_forward
+from nanoagent.model import load_reference, policy_forward
 
 
 def imitate(policy, env, rows, demonstrate, warm_dir, cfg, rank, world, device):

@@ -9,9 +9,9 @@ out of that step's metrics rather than logged as a perfect 0.
 import math
 
 from nanoagent.agent import rollout_metrics, run_agent
+from nanoagent.batch import packed_tokens
 from nanoagent.common import reduce_metrics
 from nanoagent.engine import SamplingConfig
-from nanoagent.model import packed_tokens
 
 
 def mean_over_updates(results):

@@ -24,20 +24,18 @@ token t come from the hidden state at position t-1 (the state in which token t w
 are stored at index t. Index 0 holds 0. So every per-token tensor is [B, L], aligned with the ids
 and with the action mask of the same row.
 
-Packed micro-batches: a batch is [B, L] on the host (collate), but the models never compute
-padding (attention aside, below). The rows of a micro-batch are laid end to end into one sequence
-[1, T] (at most train.micro_batch_tokens tokens unless one row is longer), with position ids that
-restart at 0 on every row, and attention that stays within each row: packed_attention,
+Packed micro-batches: a batch is [B, L] on the host (nanoagent/batch.py), but the models never
+compute padding (attention aside, below). The rows of a micro-batch are laid end to end into one
+sequence [1, T] (batch.micro_steps), with position ids that restart at 0 on every row, and
+attention that stays within each row: packed_attention,
 transformers' attention interface at work, makes one scaled_dot_product_attention call per bucket
 of rows of about the same length, padded to the bucket's longest (flash on a GPU where no mask is
 needed, and no T x T mask anywhere); a call per row would be launch-bound on a GPU. Rows that
 begin with the same prompt (a GRPO group's G samples: system prompt, tool schemas, question, often
 most of a row) share one copy of it: the prompt, then each row's own tokens, positions going on
 from the prompt's, each attending to the prompt and to itself (a tree, not a chain), so the
-prompt's forward and backward are paid once, not G times. Rows go into micro-batches first-fit
-decreasing, a prompt's rows together where they fit, and every rank runs as many micro-batches as
-the busiest (FSDP's forward and backward are collectives). Results come back to [B, L] exactly
-(unpack).
+prompt's forward and backward are paid once, not G times. Results come back to [B, L] exactly
+(batch.unpack).
 
 Logits only where a logprob is used: the LM head, the log-softmax and the entropy run over the
 hidden states of the positions whose next token is an action token (transformers' logits_to_keep,
@@ -46,9 +44,7 @@ given the positions), and the critic's value head over those where a value is re
 head's work (a 152k vocabulary on Qwen2.5) saved.
 """
 
-from dataclasses import replace
 import os
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -59,7 +55,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
-from nanoagent.common import all_reduce
+from nanoagent.batch import micro_steps, unpack
 from nanoagent.rl import logprobs_and_entropy, nucleus_logprobs
 
 PACKED = "nanoagent_packed"  # the trainer's attention implementation (packed_attention), by its name in transformers
@@ -89,7 +85,7 @@ def attention_plan(position_ids):
             raise ValueError(f"packed positions: the segment at index {s} starts at position {p}, and no "
                              f"segment of at least {p} tokens opened at 0 before it: a row's positions "
                              "start at 0, a row after a shared prompt goes on from the prompt's "
-                             "(model.packed_layout)")
+                             "(batch.packed_layout)")
         by_length.setdefault(((e - s - 1).bit_length(), (p + e - s - 1).bit_length()), []).append((s, e, root, p))
     buckets, out, done = [], [0] * len(positions), 0
     for segments in by_length.values():
@@ -137,12 +133,6 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 
 AttentionInterface.register(PACKED, packed_attention)
-
-
-def load_causal_lm(path, dtype=torch.float32):
-    """A whole model in one process (tests, tools) with the trainer's packed attention, for the
-    forward passes below (not for generation); the trainer uses build_* below."""
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=PACKED)
 
 
 class Critic(nn.Module):
@@ -287,234 +277,6 @@ def load_reference(cfg, path, device):
 
 # -----------------------------------------------------------------------------
 # forward passes over trajectories
-
-def micro_batches(lengths, token_budget, prompts=None):
-    """
-    Group row indices into micro-batches of at most token_budget tokens in all (their rows packed
-    end to end), first-fit decreasing: largest first, each into the first micro-batch it fits.
-    prompts: for each row (prompt id, prompt length) as collate gives them; the rows of one prompt
-    go in as one unit, the prompt counted once (a unit over the budget goes in pieces). A row longer
-    than the budget gets a micro-batch of its own (it cannot be split without changing the
-    computation).
-    """
-    units = {}
-    for i in range(len(lengths)):
-        units.setdefault(prompts[i][0] if prompts else i, []).append(i)
-    pieces = []  # (tokens, rows)
-    for rows in units.values():
-        prompt = prompts[rows[0]][1] if prompts and len(rows) > 1 else 0
-        piece, tokens = [], prompt
-        for i in sorted(rows, key=lambda i: -lengths[i]):
-            if piece and tokens + lengths[i] - prompt > token_budget:
-                pieces.append((tokens, piece))
-                piece, tokens = [], prompt
-            piece.append(i)
-            tokens += lengths[i] - prompt
-        pieces.append((tokens, piece))
-    batches, tokens = [], []
-    for size, piece in sorted(pieces, key=lambda p: -p[0]):
-        fit = next((b for b in range(len(batches)) if tokens[b] + size <= token_budget), None)
-        if fit is None:
-            batches.append([])
-            tokens.append(0)
-            fit = len(batches) - 1
-        batches[fit] += piece
-        tokens[fit] += size
-    return batches
-
-
-def pad_rows(rows, pad_value, dtype=torch.long):
-    """List of 1-D sequences -> right-padded [B, L] tensor."""
-    width = max(len(r) for r in rows)
-    out = torch.full((len(rows), width), pad_value, dtype=dtype)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.as_tensor(r, dtype=dtype)
-    return out
-
-
-def collate(trajs, pad_id):
-    """
-    Trajectories -> a batch of their token rows (Trajectory.sequences: one row `prompt | response`
-    each, or one per turn with context=last_k) right-padded to [R, L] on the host. action_mask and
-    rollout_logprobs are laid over the whole row (0 on the prompt and padding), so every per-token
-    tensor shares one index. "position_ids", "prompt", "prompt_length": see shared_prompts; "row":
-    [R, L] each token's row; "trajectory": [R] the trajectory each row belongs to; "steps": for each
-    trajectory its turns' actions in order, as (row, start, end); "step": [R, L] on the tokens of
-    each action an id of its step, unique in the batch (1, 2, ...; 0 elsewhere).
-    """
-    sequences, owner, steps = [], [], []
-    for i, t in enumerate(trajs):
-        steps.append([])
-        for ids, mask, logprobs, spans in t.sequences():
-            steps[-1] += [(len(sequences), s, e) for s, e in spans]
-            sequences.append((ids, mask, logprobs))
-            owner.append(i)
-    input_ids = pad_rows([ids for ids, _, _ in sequences], pad_id)
-    step = torch.zeros_like(input_ids)
-    for n, (row, start, end) in enumerate(span for trajectory in steps for span in trajectory):
-        step[row, start:end] = n + 1
-    return {
-        "input_ids": input_ids,
-        **shared_prompts([ids for ids, _, _ in sequences], [mask for _, mask, _ in sequences]),
-        "row": torch.arange(len(sequences))[:, None].expand_as(input_ids),
-        "action_mask": pad_rows([mask for _, mask, _ in sequences], 0, torch.float32),
-        "rollout_logprobs": pad_rows([logprobs for _, _, logprobs in sequences], 0.0, torch.float32),
-        "lengths": [len(ids) for ids, _, _ in sequences],
-        "trajectory": torch.tensor(owner),
-        "steps": steps,
-        "step": step,
-    }
-
-
-def shared_prompts(rows, masks):
-    """The keys of a batch that say which rows share a prompt, from its token rows and action masks:
-    "position_ids" [R, L] each token's position in its row, "prompt_length" [R] the tokens before a
-    row's first action (all of them without one), "prompt" [R] an id equal for rows whose prompts are
-    the same tokens (a group's samples, the first turns of a group's trajectories with
-    rollout.context=last_k)."""
-    lengths = [next((t for t, m in enumerate(mask) if m), len(mask)) for mask in masks]
-    ids = {}
-    prompt = [ids.setdefault(tuple(row[:n]), len(ids)) for row, n in zip(rows, lengths)]
-    return {"position_ids": pad_rows([range(len(r)) for r in rows], 0), "prompt_length": torch.tensor(lengths), "prompt": torch.tensor(prompt)}
-
-
-def synced_micro_batches(lengths, token_budget, prompts=None):
-    """
-    micro_batches(), with the same count on every rank: each FSDP forward and backward is a
-    collective, so a rank with fewer micro-batches would leave the others waiting forever. Short
-    ranks split their fullest micro-batches in two (rows alternately, so the halves carry about the
-    same tokens), then add empty ones ([]), which callers run as a zero-weight pass over one row.
-    """
-    batches = micro_batches(lengths, token_budget, prompts)
-    [count] = all_reduce([len(batches)], "max")
-    while len(batches) < count:
-        fullest = max(range(len(batches)), key=lambda b: sum(lengths[i] for i in batches[b]), default=None)
-        if fullest is not None and len(batches[fullest]) > 1:
-            batches[fullest:fullest + 1] = [batches[fullest][::2], batches[fullest][1::2]]
-        else:
-            batches.append([])
-    return batches
-
-
-def packed_tokens(batch, rows):
-    """The tokens the trainer's packed passes compute for these rows of batch: their lengths, a
-    prompt that several of them begin with counted once (packed_layout)."""
-    prompts, tokens = set(), 0
-    for i in rows:
-        prompt = batch["prompt"][i].item()
-        tokens += batch["lengths"][i] - (batch["prompt_length"][i].item() if prompt in prompts else 0)
-        prompts.add(prompt)
-    return tokens
-
-
-def group_tokens(batch, rows, groups):
-    """[G] the tokens the trainer's packed passes compute for each group's rows among `rows`
-    (packed_tokens); groups: [B] each trajectory's group id, 0..G-1."""
-    rows_of = [[] for _ in range(int(groups.max()) + 1 if len(groups) else 0)]
-    for row, group in zip(rows, groups[batch["trajectory"][rows]].tolist()):
-        rows_of[group].append(row)
-    return [packed_tokens(batch, r) for r in rows_of]
-
-
-def balance_groups(trajs, costs, group_size):
-    """
-    This rank's trajectories after whole groups (group_size consecutive trajectories: a prompt's
-    samples) moved between ranks so that every rank trains on about as many tokens. Every FSDP pass
-    is a collective, so an update lasts as long as the busiest rank's passes, and multi-turn
-    trajectories differ in length far more than single-turn answers. costs: the tokens the trainer
-    would compute for each of this rank's groups (packed_tokens; 0 for a group left out of the
-    update). Every rank plans the same moves from the gathered costs: while a group of the busiest
-    rank weighs less than its gap to the idlest, the one that evens the two best moves (each move
-    lowers the sum of squared loads, so it ends). Moved trajectories travel without their
-    environments (they are scored). Returns the groups this rank kept, in order, then those it
-    received, by sending rank; a group stays whole, so its baseline and its shared prompt do too.
-    """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world == 1:
-        return trajs
-    gathered = [None] * world
-    dist.all_gather_object(gathered, costs)
-    owner = {(r, g): r for r in range(world) for g in range(len(gathered[r]))}
-    load = [sum(c) for c in gathered]
-    while True:
-        busiest, idlest = max(range(world), key=load.__getitem__), min(range(world), key=load.__getitem__)
-        gap = load[busiest] - load[idlest]
-        movable = [(abs(gap - 2 * gathered[r][g]), r, g) for (r, g), o in owner.items() if o == busiest and 0 < gathered[r][g] < gap]
-        if not movable:
-            break
-        _, r, g = min(movable)
-        owner[r, g], load[busiest], load[idlest] = idlest, load[busiest] - gathered[r][g], load[idlest] + gathered[r][g]
-    group = lambda g: trajs[g * group_size:(g + 1) * group_size]  # noqa: E731
-    sent = {}
-    for g in range(len(costs)):
-        if owner[rank, g] != rank:
-            sent.setdefault(owner[rank, g], []).extend(replace(t, env=None) for t in group(g))
-    received = [None] * world
-    dist.all_gather_object(received, sent)
-    return [t for g in range(len(costs)) if owner[rank, g] == rank for t in group(g)] + [t for s in received for t in s.get(rank, [])]
-
-
-def micro_steps(batch, rows, token_budget, device):
-    """
-    The packed micro-batches of `rows` (this rank's row indices into batch, maybe none), kept in
-    step across ranks: the one iterator every forward and backward pass goes through. Yields
-    (layout, get): layout as packed_layout gives it (layout.rows: the rows of the micro-batch),
-    get(key) that [R, L] tensor of the batch for them, packed ([1, T]) on the device. An empty
-    micro-batch comes as a layout of no rows and get() over one row of the batch, so its collectives
-    still run; its results must be given weight 0.
-    """
-    lengths = [batch["lengths"][i] for i in rows]
-    prompts = [(batch["prompt"][i].item(), batch["prompt_length"][i].item()) for i in rows]
-    for micro in synced_micro_batches(lengths, token_budget, prompts):
-        layout = packed_layout(batch, [rows[i] for i in micro])
-        run = layout if layout.rows else packed_layout(batch, (rows or [0])[:1])
-        yield layout, lambda key, run=run: pack(batch, key, run, device)
-
-
-class Layout(NamedTuple):
-    """Where the tokens of some rows sit in their packed sequence."""
-    rows: list                 # the rows, in packed order
-    source_rows: torch.Tensor  # [T] the batch row of each packed token
-    source_cols: torch.Tensor  # [T] its column in that row
-    places: dict               # {row: [its length] the packed index of each of its tokens (a shared prompt's in every row of it)}
-
-
-def packed_layout(batch, idx):
-    """The packed sequence of the rows idx: a prompt's rows together, its first row whole, each other
-    row's own tokens after it (positions going on from the prompt's; packed_attention reads them
-    from the prompt's copy)."""
-    groups = {}
-    for i in idx:
-        groups.setdefault(batch["prompt"][i].item(), []).append(i)
-        if not torch.equal(batch["position_ids"][i, :batch["lengths"][i]], torch.arange(batch["lengths"][i])):
-            raise ValueError(f"row {i}'s position ids are not 0, 1, 2, ...: the packed forward would read "
-                             "it as the continuation of a shared prompt (attention_plan); a row begins "
-                             "at position 0")
-    rows, source_rows, source_cols, places = [], [], [], {}
-    for members in groups.values():
-        start = len(source_rows)
-        for n, i in enumerate(members):
-            length, prompt = batch["lengths"][i], batch["prompt_length"][i].item() if n else 0
-            here = len(source_rows)
-            places[i] = list(range(start, start + prompt)) + list(range(here, here + length - prompt))
-            source_rows += [i] * (length - prompt)
-            source_cols += range(prompt, length)
-            rows.append(i)
-    return Layout(rows, torch.tensor(source_rows, dtype=torch.long), torch.tensor(source_cols, dtype=torch.long), places)
-
-
-def pack(batch, key, layout, device):
-    """batch[key] ([R, L, *] on the host) laid out as layout says: [1, T, *] on the device."""
-    return batch[key][layout.source_rows, layout.source_cols][None].to(device)
-
-
-def unpack(packed, layout, out):
-    """Write a packed result [1, T, *] back into the rows of out [R, L, *] (on the host), a shared
-    prompt's values into every row of it; returns out."""
-    for i in layout.rows:
-        out[i, :len(layout.places[i])] = packed[0, layout.places[i]].to(out.device, out.dtype)
-    return out
-
 
 @torch.no_grad()
 def forward_all(model_fn, batch, rows, micro_batch_tokens, device, per_token=()):

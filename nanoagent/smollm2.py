@@ -119,7 +119,7 @@ def ensure_smollm2(cache_dir=None):
     The converted model's folder, made once and cached (default ~/.cache/nanoagent, NANOAGENT_CACHE).
     Several processes at once (the ranks of a run, test workers): one converts, under a file lock,
     into a temporary folder renamed into place when complete; the others wait for it, then find it.
-    Call it before the process group exists (tiny.resolve_model says why).
+    Call it before the process group exists (hub.resolve_model says why).
     """
     cache_dir = cache_dir or os.environ.get("NANOAGENT_CACHE", os.path.expanduser("~/.cache/nanoagent"))
     path = os.path.join(cache_dir, f"{NAME}-v{CONVERSION_VERSION}")

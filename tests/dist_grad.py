@@ -16,8 +16,9 @@ import torch.distributed as dist
 
 import padded
 from nanoagent import rl
+from nanoagent.batch import pad_rows
 from nanoagent.common import exit_now, reduce_metrics
-from nanoagent.model import load_causal_lm, pad_rows, shard
+from nanoagent.model import shard
 
 
 def batch(vocab, n=8, seed=0):
@@ -66,7 +67,7 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = make_config("tiny", ["algo=grpo", f"train.micro_batch_tokens={args.micro_tokens}", "train.grad_clip=1e9"])
-    model = load_causal_lm(args.model)
+    model = padded.load_causal_lm(args.model)
     rows, masks, advantages = batch(model.config.vocab_size)
     data = {**padded.batch_of(rows, masks), "advantages": pad_rows(advantages, 0.0, torch.float32)}  # a row per trajectory
     zeros = torch.zeros_like(data["action_mask"])

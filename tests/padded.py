@@ -7,13 +7,20 @@ over every position. The reference the packed passes (nanoagent.model) must equa
 import torch
 from transformers import AutoModelForCausalLM
 
-from nanoagent.model import Critic, pad_rows, shared_prompts
+from nanoagent.batch import pad_rows, shared_prompts
+from nanoagent.model import PACKED, Critic
 from nanoagent.rl import nucleus_logprobs
 
 
 def plain_lm(path):
     """The model with transformers' sdpa attention (not the trainer's packed attention)."""
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+
+
+def load_causal_lm(path, dtype=torch.float32):
+    """The whole model in one process with the trainer's packed attention (nanoagent.model), for its
+    forward passes (not for generation): what the plain one is compared with."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=PACKED)
 
 
 def shifted(per_position):
@@ -48,7 +55,7 @@ def critic_of(path):
 
 
 def batch_of(rows, masks):
-    """The host batch the trainer's forward passes read (model.collate's keys), from token rows and
+    """The host batch the trainer's forward passes read (batch.collate's keys), from token rows and
     their action masks."""
     ids = pad_rows(rows, 0)
     return {"input_ids": ids, **shared_prompts(rows, masks), "row": torch.arange(len(rows))[:, None].expand_as(ids),

@@ -15,7 +15,7 @@ import procs
 from dist_grad import batch, grad_of
 from dist_whiten import batch as whiten_batch
 from nanoagent import rl
-from nanoagent.model import load_causal_lm, pad_rows
+from nanoagent.batch import pad_rows
 
 pytestmark = pytest.mark.slow
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,7 +36,7 @@ def test_fsdp2_gradient_of_packed_micro_batches_matches_the_padded_rows_in_one_p
     action tokens only), on 1 and 2 ranks, has the gradient and loss of the padded computation in one
     process; and on-policy (old logprobs from the update's own forward), the gradient and old
     logprobs of ratio 1."""
-    rows, masks, advantages = batch(load_causal_lm(tiny_model_dir).config.vocab_size)
+    rows, masks, advantages = batch(padded.load_causal_lm(tiny_model_dir).config.vocab_size)
     references = {}
     for on_policy in (False, True):
         plain = padded.plain_lm(tiny_model_dir)
@@ -113,7 +113,7 @@ BALANCE_SCRIPT = """
 import json, sys
 import torch.distributed as dist
 from nanoagent.agent import Trajectory
-from nanoagent.model import balance_groups
+from nanoagent.batch import balance_groups
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

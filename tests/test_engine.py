@@ -19,8 +19,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import AutoTokenizer
 
+from padded import load_causal_lm
 from nanoagent.engine import MAX_NUM_SEQS, HFEngine, SamplingConfig, VLLMEngine, cpu_kv_cache_bytes, stop_token_ids
-from nanoagent.model import load_causal_lm, policy_forward
+from nanoagent.model import policy_forward
 from nanoagent.rl import nucleus_logprobs
 
 # logits x 7: the random tiny model's next-token distributions go from near uniform to peaked like a

@@ -19,11 +19,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import procs
 from nanoagent.agent import run_agent, scripted_trajectories
-from nanoagent.batch import counted_in_baseline, token_rewards, trained_rows
+from nanoagent.batch import collate, counted_in_baseline, token_rewards, trained_rows
 from nanoagent.config import make_config
 from nanoagent.engine import SamplingConfig, VLLMEngine, stop_token_ids
 from nanoagent.env import ChatEnv
-from nanoagent.model import collate
 from nanoagent.tasks import textworld
 from nanoagent.tiny import pretraining_loss, pretraining_rows
 

@@ -15,14 +15,15 @@ from transformers import AutoTokenizer
 
 import procs
 import train
+from padded import load_causal_lm
 from nanoagent import common, rl
 from nanoagent.agent import scripted_trajectories
-from nanoagent.batch import token_rewards
+from nanoagent.batch import collate, shared_prompts, synced_micro_batches, token_rewards
 from nanoagent.config import make_config
 from nanoagent.data import fit_prompts, step_prompts
 from nanoagent.engine import pad_token_id
-from nanoagent.model import (build_critic, build_policy, build_reference, collate, critic_forward, decoder_layers, load_causal_lm,
-                             policy_forward, read_weights, shard, shared_prompts, synced_micro_batches, training_config)
+from nanoagent.model import (build_critic, build_policy, build_reference, critic_forward, decoder_layers,
+                             policy_forward, read_weights, shard, training_config)
 from nanoagent.tasks import arithmetic, task_data
 from nanoagent.env import tool_env
 from nanoagent.tools import calculator_tool

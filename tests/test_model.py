@@ -12,10 +12,11 @@ from transformers import AutoTokenizer
 import padded
 from nanoagent import model as model_module
 from nanoagent.agent import run_agent
+from nanoagent.batch import micro_batches, micro_steps
 from nanoagent.engine import HFEngine, SamplingConfig, stop_token_ids
 from nanoagent.env import tool_env
-from nanoagent.model import (Critic, attention_plan, critic_forward, forward_all, load_causal_lm, micro_batches, micro_steps,
-                             old_policy_forward, policy_forward)
+from nanoagent.model import (Critic, attention_plan, critic_forward, forward_all, old_policy_forward,
+                             policy_forward)
 from nanoagent.rl import logprobs_and_entropy
 from nanoagent.tools import calculator_tool
 
@@ -59,7 +60,7 @@ def test_packed_passes_give_the_padded_rows_logprobs_values_and_gradients(tiny_m
     the rows of a shared prompt after one copy of it) give the padded computation's logprobs,
     entropy, nucleus logprobs and values on the action tokens, 0 elsewhere, and a loss over them the
     same gradient, to 1e-5."""
-    model, plain = load_causal_lm(tiny_model_dir), padded.plain_lm(tiny_model_dir)
+    model, plain = padded.load_causal_lm(tiny_model_dir), padded.plain_lm(tiny_model_dir)
     rows, masks = rows_of_many_lengths(model.config.vocab_size)
     batch = padded.batch_of(rows, masks)
     mask = batch["action_mask"]
@@ -91,7 +92,7 @@ def test_packed_passes_give_the_padded_rows_logprobs_values_and_gradients(tiny_m
 
 
 def test_a_needed_token_must_not_open_its_row(tiny_model_dir):
-    model = load_causal_lm(tiny_model_dir)
+    model = padded.load_causal_lm(tiny_model_dir)
     ids, positions = torch.tensor([[5, 9, 11, 7, 8]]), torch.tensor([[0, 1, 2, 0, 1]])
     with pytest.raises(ValueError, match="opens its row"):
         policy_forward(model, ids, positions, torch.tensor([[False, True, False, True, False]]))
@@ -101,7 +102,7 @@ def test_attention_is_planned_once_a_forward_over_one_packed_sequence(tiny_model
     """The rows' layout is read from the positions once a forward, not in every layer (on a GPU each
     read waits for the device), activation checkpointing's recompute included; a batch of several
     sequences is refused, not computed as if it were one."""
-    model = load_causal_lm(tiny_model_dir).train()
+    model = padded.load_causal_lm(tiny_model_dir).train()
     model.gradient_checkpointing_enable()
     plans = []
     monkeypatch.setattr(model_module, "attention_plan", lambda positions: plans.append(positions) or attention_plan(positions))
@@ -116,7 +117,7 @@ def test_the_policy_backward_makes_no_second_logits_tensor(tiny_model_dir, monke
     """The backward of policy_forward writes the logits' gradient over the logits (rl.logprobs_and_entropy)
     and passes it on without a copy: no tensor of N x V elements or more is made in it (N action tokens,
     more than the hidden size, so the LM head's weight gradient is smaller; logprob chunks of 4 rows)."""
-    model = load_causal_lm(tiny_model_dir).train()
+    model = padded.load_causal_lm(tiny_model_dir).train()
     monkeypatch.setattr(model_module, "logprobs_and_entropy", partial(logprobs_and_entropy, chunk_size=4))
     hidden, vocab = model.config.hidden_size, model.config.vocab_size
     positions = torch.arange(4 * hidden) % (2 * hidden)
@@ -147,7 +148,7 @@ def test_policy_forward_is_aligned_and_matches_rollout(tiny_model_dir):
     engine = HFEngine(tiny_model_dir, stop_token_ids(tok), tok.pad_token_id, dtype="float32", seed=1)
     samples = [{"id": i, "messages": [{"role": "user", "content": "What is " + "1+" * i + "1?"}]} for i in range(4)]
     trajs = run_agent(engine, env, samples, SamplingConfig(max_new_tokens=12, temperature=0.8), max_turns=2, max_context_tokens=512)
-    model = load_causal_lm(tiny_model_dir)
+    model = padded.load_causal_lm(tiny_model_dir)
     rows = [t.prompt_ids + t.response_ids for t in trajs]
     batch = padded.batch_of(rows, [[0] * len(t.prompt_ids) + t.action_mask for t in trajs])
     logprobs = forward_all(lambda *packed: policy_forward(model, *packed, 0.8)[0], batch,
@@ -161,7 +162,7 @@ def test_policy_forward_is_aligned_and_matches_rollout(tiny_model_dir):
 
 
 def test_critic_values_are_aligned_and_trainable(tiny_model_dir):
-    critic = Critic(load_causal_lm(tiny_model_dir))
+    critic = Critic(padded.load_causal_lm(tiny_model_dir))
     ids, positions = torch.tensor([[5, 9, 11, 7, 5, 9]]), torch.tensor([[0, 1, 2, 3, 0, 1]])
     read = torch.tensor([[False, True, True, True, False, True]])
     values = critic_forward(critic, ids, positions, read)
@@ -180,7 +181,7 @@ def test_a_row_whose_positions_do_not_start_at_0_is_refused_where_it_is_read(tin
     """The packed forward reads a segment that starts at position p > 0 as a row's own tokens after the
     last shared prompt (attention_plan); a row that is no such continuation used to be read as one,
     silently (logprobs off by up to 3.5e-2). Refused in the plan, and where a batch's rows are packed."""
-    model = load_causal_lm(tiny_model_dir)
+    model = padded.load_causal_lm(tiny_model_dir)
     ids = torch.randint(3, model.config.vocab_size, (1, 12))
     # no prompt before it; a prompt of 3 tokens, not 7
     for positions in ([5, 6, 7, 8], [0, 1, 2, 7, 8, 9, 10, 11]):

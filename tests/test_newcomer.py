@@ -23,7 +23,7 @@ import train
 from nanoagent.agent import scripted_trajectories
 from nanoagent.config import make_config, save_config
 from nanoagent.data import load_prompts, write_prompts
-from nanoagent import retriever, tiny
+from nanoagent import hub, retriever
 from nanoagent.tasks import arithmetic, task_data, textworld
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -132,7 +132,7 @@ def test_a_model_that_cannot_be_loaded_is_refused_at_once_in_one_line(tmp_path, 
     HF_HUB_OFFLINE=1), refused by train.py, rollout.py and chat.py alike; a hub id in the cache is
     a model."""
     missing = str(tmp_path / "out" / "run" / "hf")
-    assert "does not exist (no such folder, and not a hub id)" in tiny.model_problem(missing)
+    assert "does not exist (no such folder, and not a hub id)" in hub.model_problem(missing)
     for main, argv, script in [(train.main, ["model=nosuch/model"], "train.py"),
                                (rollout.main, ["--model", "nosuch/model"], "rollout.py"),
                                (chat.main, ["--model", "nosuch/model", "--question", "hi"], "chat.py")]:
@@ -147,7 +147,7 @@ def test_a_model_that_cannot_be_loaded_is_refused_at_once_in_one_line(tmp_path, 
     (tmp_path / "hub" / "models--someone--model" / "refs").mkdir()
     (tmp_path / "hub" / "models--someone--model" / "refs" / "main").write_text("0" * 40)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    assert tiny.model_problem("someone/model") is None and tiny.model_problem("someone/other") is not None
+    assert hub.model_problem("someone/model") is None and hub.model_problem("someone/other") is not None
 
 
 def test_a_hub_that_does_not_answer_is_refused_within_seconds(tmp_path):
@@ -179,7 +179,7 @@ def test_a_run_folder_or_a_checkpoint_passed_as_a_model_is_named_with_the_export
                                    f"pass its export {str(run / 'hf')!r} "
                                    f"(none yet: train.py writes it when the run ends)")
     (run / "hf").mkdir()
-    assert tiny.model_problem(str(run)).endswith(f"pass its export {str(run / 'hf')!r}")
+    assert hub.model_problem(str(run)).endswith(f"pass its export {str(run / 'hf')!r}")
     status, err = one_line_exit(chat.main, ["--model", str(checkpoint), "--question", "hi"], capsys)
     assert status == 2 and err == (f"chat.py: {str(checkpoint)!r} is a training checkpoint "
                                    f"(sharded, for resuming a run), "

@@ -16,9 +16,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import procs
 import scripted
+from padded import load_causal_lm
 from nanoagent.agent import run_agent
+from nanoagent.batch import collate
 from nanoagent.engine import HFEngine, SamplingConfig, VLLMEngine, stop_token_ids
-from nanoagent.model import collate, forward_all, load_causal_lm, policy_forward
+from nanoagent.model import forward_all, policy_forward
 from nanoagent.retriever import InMemoryRetriever, load_encoder, packaged_minilm_path
 from nanoagent.reward import score_trajectory
 from nanoagent.env import TEXT_MARKER, ChatEnv, tool_env

@@ -16,11 +16,11 @@ import torch
 from transformers import AutoTokenizer
 
 import procs
+from padded import load_causal_lm
 from nanoagent.agent import run_agent
 from nanoagent.config import ConfigError
 from nanoagent.engine import SamplingConfig, make_engine, stop_strings, stop_token_ids
 from nanoagent.env import tool_env
-from nanoagent.model import load_causal_lm
 from nanoagent.smollm2 import MARKER, check_conversion, packaged_gguf
 from nanoagent.tasks import arithmetic
 from nanoagent.tools import CALL_END, HERMES_TOOLS, calculator_tool

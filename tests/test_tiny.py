@@ -20,9 +20,9 @@ from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from nanoagent.agent import scripted_trajectories
+from nanoagent.batch import pad_rows
 from nanoagent.data import write_prompts
 from nanoagent.env import tool_env
-from nanoagent.model import pad_rows
 from nanoagent.tasks.synthetic import make_split, make_world, passages, scrambled_dialogues, scrambled_world
 from nanoagent.tiny import (IM_END, IM_START, PRETOKENIZE, QWEN_PLAIN_ADDED_TOKENS, QWEN_SPECIAL_TOKENS, QWEN_VOCAB_SIZE,
                             TEXT_VOCAB_SIZE, TOOL_TAGS, build_tiny_model, build_tokenizer, ensure_tiny_model, pretrain,

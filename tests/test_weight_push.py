@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from padded import load_causal_lm
 from nanoagent.engine import RELOAD_LOGGER, VLLMEngine, keep_reload_warning, stop_token_ids
-from nanoagent.model import load_causal_lm
 
 
 class Warnings(logging.Handler):

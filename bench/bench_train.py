@@ -111,10 +111,10 @@ def packing(shape, budget=8192):
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from nanoagent import rl
     from bench.timing import median_time
-    from nanoagent.model import PACKED, policy_forward
     from nanoagent.batch import micro_batches, pack, packed_layout, pad_rows, shared_prompts
+    from nanoagent.logprobs import logprobs_and_entropy
+    from nanoagent.model import PACKED, policy_forward
     from nanoagent.tiny import build_tiny_model
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -133,7 +133,7 @@ def packing(shape, budget=8192):
             attention = pad_rows([[1] * len(rows[i]) for i in idx], 0).to(device)
             mask = pad_rows([masks[i] for i in idx], 0, torch.float32).to(device)
             logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits              # [b, l, V]
-            logprobs, _ = rl.logprobs_and_entropy(logits, ids.roll(-1, 1))
+            logprobs, _ = logprobs_and_entropy(logits, ids.roll(-1, 1))
             logprobs = torch.cat([logprobs.new_zeros(len(idx), 1), logprobs[:, :-1]], 1)
             (-(logprobs * mask).sum() / mask.sum()).backward()
         model.zero_grad(set_to_none=True)

@@ -23,7 +23,7 @@ distribution actually sampled from: softmax(logits / T), and with top_p < 1 that
 nucleus and renormalised. That is the behaviour distribution truncated importance sampling divides
 by, and all vLLM reports after temperature (its processed logprobs); both engines report it. The
 trainer's old logprobs stay the full softmax (the policy it trains); engine_logprob_diff compares
-the engine with the trainer's logprobs renormalised over the same nucleus (rl.nucleus_logprobs).
+the engine with the trainer's logprobs renormalised over the same nucleus (logprobs.nucleus_logprobs).
 """
 
 import gc
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from nanoagent.rl import nucleus_mask
+from nanoagent.logprobs import nucleus_mask
 from nanoagent.tools import CALL_END
 
 
@@ -263,7 +263,7 @@ class HFEngine:
     def generate(self, prompts, sampling, max_new_tokens=None, seeds=None):
         """
         As VLLMEngine.generate. Each step samples from softmax(logits / T), restricted to the top_p
-        nucleus (rl.nucleus_mask, vLLM's rule) and renormalised when top_p < 1 (greedy: the argmax),
+        nucleus (logprobs.nucleus_mask, vLLM's rule) and renormalised when top_p < 1 (greedy: the argmax),
         and keeps the chosen token's logprob under that distribution in fp32 (greedy: softmax of the
         raw logits), as vLLM reports it. The model's generation_config (repetition penalty, top_k,
         eos ids, ...) plays no part. One generator

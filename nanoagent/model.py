@@ -56,7 +56,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
 from nanoagent.batch import micro_steps, unpack
-from nanoagent.rl import logprobs_and_entropy, nucleus_logprobs
+from nanoagent.logprobs import logprobs_and_entropy, nucleus_logprobs
 
 PACKED = "nanoagent_packed"  # the trainer's attention implementation (packed_attention), by its name in transformers
 
@@ -324,7 +324,7 @@ def policy_forward(model, input_ids, position_ids, needed, temperature=1.0, top_
     Per-token logprobs and entropy of a packed micro-batch, on the tokens where needed is True
     (input_ids, position_ids, needed: [1, T]). Returns (logprobs, entropy, nucleus), [1, T] fp32,
     aligned with the ids, 0 where not needed; nucleus (without grad, only when top_p is given): the
-    same tokens' logprobs renormalised over the top_p nucleus (rl.nucleus_logprobs), the
+    same tokens' logprobs renormalised over the top_p nucleus (logprobs.nucleus_logprobs), the
     distribution the engine sampled from and reports, for engine_logprob_diff to compare like with
     like. The LM head runs on the states that predict a needed token only (logits_to_keep).
     """

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from nanoagent.batch import pad_rows, shared_prompts
 from nanoagent.model import PACKED, Critic
-from nanoagent.rl import nucleus_logprobs
+from nanoagent.logprobs import nucleus_logprobs
 
 
 def plain_lm(path):

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from padded import load_causal_lm
 from nanoagent.engine import MAX_NUM_SEQS, HFEngine, SamplingConfig, VLLMEngine, cpu_kv_cache_bytes, stop_token_ids
 from nanoagent.model import policy_forward
-from nanoagent.rl import nucleus_logprobs
+from nanoagent.logprobs import nucleus_logprobs
 
 # logits x 7: the random tiny model's next-token distributions go from near uniform to peaked like a
 # trained model's (entropy ~2 nats at T=1, ~5 at T=1.5), so a wrong temperature or filter shows.
@@ -249,7 +249,7 @@ def test_memory_does_not_grow_by_a_vocabulary_row_per_step(tiny_model_dir, tok):
 def test_top_p_samples_lie_in_the_nucleus_and_both_engines_report_its_logprobs(kind, model_dir, trainer_model, tok, request):
     """With top_p < 1 each engine samples from the nucleus of softmax(logits / T) (vLLM's rule, for
     both) and reports the sampled token's logprob renormalised over it: the distribution it sampled
-    from, which is what the trainer's rl.nucleus_logprobs computes from its own logits."""
+    from, which is what the trainer's logprobs.nucleus_logprobs computes from its own logits."""
     T, top_p = 1.2, 0.9
     engine = (HFEngine(model_dir, stop_token_ids(tok), tok.pad_token_id, dtype="float32", seed=5) if kind == "hf"
               else request.getfixturevalue("vllm_engine"))

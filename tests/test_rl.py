@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from nanoagent import rl
+from nanoagent.logprobs import logprobs_and_entropy
 
 
 def textbook_gae(rewards, values, gamma, lam):
@@ -321,7 +322,7 @@ def logprobs_entropy_grad(logits, labels, w_lp, w_h, temperature, chunk_size):
     """(logprobs, entropy, d(sum w_lp*lp + w_h*h)/dlogits) from a fresh copy of the logits (the
     function consumes its input: the backward writes the gradient over it)."""
     x = logits.detach().clone().requires_grad_(True)
-    lp, h = rl.logprobs_and_entropy(x, labels, temperature, chunk_size)
+    lp, h = logprobs_and_entropy(x, labels, temperature, chunk_size)
     loss = (lp * w_lp).sum() + (0 if w_h is None else (h * w_h).sum())
     (grad,) = torch.autograd.grad(loss, x)
     return lp.detach(), h.detach(), grad

@@ -87,9 +87,13 @@ class _LogprobEntropy(torch.autograd.Function):
             z = logits[sl].to(torch.float32, copy=True).div_(ctx.temperature)  # [n, V]
             p = (z - lse[sl, None]).exp_()
             # with z = logits / T: d logp(y)/dz = onehot(y) - p ;  dH/dz = -p * (z - E_p[z]), E_p[z] = lse - H
-            grad = z.zero_() if grad_entropy is None else z.sub_((lse[sl] - entropy[sl])[:, None]).mul_(p).mul_(-grad_entropy[sl, None])
+            if grad_entropy is None:
+                grad = z.zero_()
+            else:
+                grad = z.sub_((lse[sl] - entropy[sl])[:, None]).mul_(p).mul_(-grad_entropy[sl, None])
             if grad_logprobs is not None:
-                grad.sub_(p.mul_(grad_logprobs[sl, None])).scatter_add_(1, labels[sl, None], grad_logprobs[sl, None])
+                grad.sub_(p.mul_(grad_logprobs[sl, None]))
+                grad.scatter_add_(1, labels[sl, None], grad_logprobs[sl, None])
             logits[sl] = grad.div_(ctx.temperature)
         return logits, None, None, None
 
@@ -103,5 +107,6 @@ def logprobs_and_entropy(logits, labels, temperature=1.0, chunk_size=None):
     """
     shape, V = labels.shape, logits.shape[-1]
     chunk_size = chunk_size or max(1, 2 ** 25 // V)
-    logprobs, entropy = _LogprobEntropy.apply(logits.reshape(-1, V), labels.reshape(-1), temperature, chunk_size)
+    logprobs, entropy = _LogprobEntropy.apply(logits.reshape(-1, V), labels.reshape(-1), temperature,
+                                              chunk_size)
     return logprobs.view(shape), entropy.view(shape)

@@ -114,7 +114,7 @@ def test_attention_is_planned_once_a_forward_over_one_packed_sequence(tiny_model
 
 
 def test_the_policy_backward_makes_no_second_logits_tensor(tiny_model_dir, monkeypatch):
-    """The backward of policy_forward writes the logits' gradient over the logits (logprobs.logprobs_and_entropy)
+    """The backward of policy_forward writes the logits' gradient over the logits (logprobs_and_entropy)
     and passes it on without a copy: no tensor of N x V elements or more is made in it (N action tokens,
     more than the hidden size, so the LM head's weight gradient is smaller; logprob chunks of 4 rows)."""
     model = padded.load_causal_lm(tiny_model_dir).train()

@@ -58,7 +58,8 @@ def masked_gae(rewards, values, mask, gamma, lam):
     assert rewards.shape == values.shape == mask.shape and rewards.dim() == 2, "expect [B, T] tensors"
     mask = mask.to(values.dtype)
     if torch.any((rewards != 0) & (mask == 0)):
-        raise ValueError("masked_gae: a non-zero reward sits on a mask-0 token; rewards belong on action tokens")
+        raise ValueError("masked_gae: a non-zero reward sits on a mask-0 token; "
+                         "rewards belong on action tokens")
     B, T = values.shape
     advantages = torch.zeros_like(values)
     next_value = values.new_zeros(B)  # value of the next action token in the row (0 after the last)
@@ -82,12 +83,15 @@ def check_steps(mask, steps, name):
     for n, trajectory in enumerate(steps):
         for k, (row, start, end) in enumerate(trajectory):
             if not (0 <= row < len(mask) and 1 <= start < end <= mask.shape[1]):
-                raise ValueError(f"{name}: trajectory {n}'s step {(row, start, end)} is not a [start, end) span after a row's first token")
+                raise ValueError(f"{name}: trajectory {n}'s step {(row, start, end)} is not a [start, end) "
+                                 "span after a row's first token")
             if k and trajectory[k - 1][0] == row and trajectory[k - 1][2] > start:
-                raise ValueError(f"{name}: trajectory {n}'s steps {trajectory} are not in order within their row")
+                raise ValueError(f"{name}: trajectory {n}'s steps {trajectory} are not in order within "
+                                 "their row")
             covered[row, start:end] += 1
     if torch.any(covered > 1) or torch.any(mask * (covered == 0) > 0):
-        raise ValueError(f"{name}: the steps overlap, or miss action tokens: every action token must be in exactly one step")
+        raise ValueError(f"{name}: the steps overlap, or miss action tokens: every action token must be "
+                         "in exactly one step")
 
 
 @torch.no_grad()
@@ -111,9 +115,10 @@ def step_gae(rewards, values, mask, steps, gamma, lam):
     assert rewards.shape == values.shape == mask.shape and rewards.dim() == 2, "expect [B, T] tensors"
     mask = mask.to(values.dtype)
     if torch.any((rewards != 0) & (mask == 0)):
-        raise ValueError("step_gae: a non-zero reward sits on a mask-0 token; rewards belong on action tokens")
+        raise ValueError("step_gae: a non-zero reward sits on a mask-0 token; "
+                         "rewards belong on action tokens")
     check_steps(mask, steps, "step_gae")
-    advantages, returns, value_mask = torch.zeros_like(values), torch.zeros_like(values), torch.zeros_like(values)
+    advantages, returns, value_mask = (torch.zeros_like(values) for _ in range(3))
     for trajectory in steps:
         next_value = next_adv = 0.0
         for row, start, end in reversed(trajectory):
@@ -169,7 +174,8 @@ def rloo_advantages(scores, group_ids):
     """
     inverse, count, mean = group_means(scores, group_ids)
     n = count[inverse]
-    return torch.where(n > 1, n / (n - 1).clamp(min=1) * (scores.float() - mean[inverse]), torch.zeros_like(n))
+    loo = n / (n - 1).clamp(min=1) * (scores.float() - mean[inverse])
+    return torch.where(n > 1, loo, torch.zeros_like(n))
 
 
 @torch.no_grad()
@@ -187,7 +193,8 @@ def outcome_token_advantages(outcome_advantages, process_rewards, mask, steps):
     """
     mask = mask.to(process_rewards.dtype)
     if torch.any((process_rewards != 0) & (mask == 0)):
-        raise ValueError("outcome_token_advantages: a non-zero process reward sits on a mask-0 token; rewards belong on action tokens")
+        raise ValueError("outcome_token_advantages: a non-zero process reward sits on a mask-0 token; "
+                         "rewards belong on action tokens")
     check_steps(mask, steps, "outcome_token_advantages")
     advantages = torch.zeros_like(mask)
     for n, trajectory in enumerate(steps):
@@ -233,7 +240,8 @@ def whiten(advantages, mask, stats_mask=None, all_reduce=None):
     batch's, not one rank's share of it. advantages, mask, stats_mask: [B, T].
     """
     stats_mask = mask if stats_mask is None else stats_mask
-    sums = [stats_mask.sum().item(), masked_sum(advantages, stats_mask).item(), masked_sum(advantages ** 2, stats_mask).item()]
+    sums = [stats_mask.sum().item(), masked_sum(advantages, stats_mask).item(),
+            masked_sum(advantages ** 2, stats_mask).item()]
     n, s, sq = all_reduce(sums) if all_reduce else sums
     mean = s / max(n, 1)
     var = (sq - n * mean ** 2) / max(n - 1, 1)
@@ -277,7 +285,8 @@ def segment_mean(x, mask, segments):
     return (sums / counts.clamp(min=1))[ids].view_as(x)
 
 
-def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, clip_dual=3.0, segments=None):
+def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, clip_dual=3.0,
+                    segments=None):
     """
     Clipped PPO surrogate per token: max(-A*r, -A*clip(r, 1-clip_low, 1+clip_high)), and for A < 0
     the dual clip min(that, -A*clip_dual) bounds the loss when r explodes. r = exp(logp - old_logp).
@@ -295,7 +304,10 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
-    dual = (advantages < 0) & (loss_ppo > -advantages * clip_dual) if segments is None else torch.zeros_like(mask, dtype=torch.bool)
+    if segments is None:
+        dual = (advantages < 0) & (loss_ppo > -advantages * clip_dual)
+    else:
+        dual = torch.zeros_like(mask, dtype=torch.bool)
     per_token_loss = torch.where(dual, -advantages * clip_dual, loss_ppo) * mask
     with torch.no_grad():
         stats = {

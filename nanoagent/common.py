@@ -49,14 +49,16 @@ def init_distributed():
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
         store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, master_listen_fd=listener.detach())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group(process_group_backend(device), store=store, rank=rank, world_size=world, device_id=device)
+        dist.init_process_group(process_group_backend(device), store=store, rank=rank, world_size=world,
+                                device_id=device)
     else:
         device = torch.device("cpu")
         dist.init_process_group(process_group_backend(device), store=store, rank=rank, world_size=world)
@@ -74,7 +76,8 @@ def all_reduce(values, op="sum"):
 def reduce_metrics(sums, maxes):
     """The step's metrics over all ranks, in one place: each value of `sums` is this rank's share
     of a total (added over ranks), each value of `maxes` is maxed over ranks."""
-    return {**dict(zip(sums, all_reduce(list(sums.values())))), **dict(zip(maxes, all_reduce(list(maxes.values()), "max")))}
+    summed = dict(zip(sums, all_reduce(list(sums.values()))))
+    return {**summed, **dict(zip(maxes, all_reduce(list(maxes.values()), "max")))}
 
 
 def seed_everything(seed):

@@ -30,19 +30,24 @@ def imitate(policy, env, rows, demonstrate, warm_dir, cfg, rank, world, device):
     mine = rows[rank::world]
     scripts = [demonstrate(row, rng) for row in mine]
     per_rank = (cfg.train.warm_start_batch_size or cfg.ppo.mini_batch_size) // world
-    draws = [[rng.randrange(len(mine)) for _ in range(per_rank)] for _ in range(cfg.train.warm_start_steps)]  # [steps][per_rank]
+    draws = [[rng.randrange(len(mine)) for _ in range(per_rank)]
+             for _ in range(cfg.train.warm_start_steps)]                                   # [steps][per_rank]
     # only the demonstrations drawn are assembled (tokenised, their tool calls run), each once
     drawn = sorted({i for d in draws for i in d})
-    demos = dict(zip(drawn, scripted_trajectories(env, [mine[i] for i in drawn], [scripts[i] for i in drawn])))
+    demos = dict(zip(drawn, scripted_trajectories(env, [mine[i] for i in drawn],
+                                                  [scripts[i] for i in drawn])))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.train.warm_start_lr, weight_decay=0.0)
     for step in range(cfg.train.warm_start_steps):
         batch = collate([demos[i] for i in draws[step]], pad_token_id(env.tokenizer))
         rows = list(range(len(batch["lengths"])))
-        [global_tokens] = all_reduce([batch["action_mask"].sum().item()])  # over all ranks: the loss is one global token mean
+        # over all ranks: the loss is one global token mean
+        [global_tokens] = all_reduce([batch["action_mask"].sum().item()])
         loss_sum = 0.0
         for layout, get in micro_steps(batch, rows, cfg.train.micro_batch_tokens, device):
-            logprobs = policy_forward(policy, get("input_ids"), get("position_ids"), get("action_mask") > 0)[0]
-            loss = rl.aggregate_loss(-logprobs, get("action_mask") * (1.0 if layout.rows else 0.0), "token_mean", global_tokens, None)
+            actions = get("action_mask")
+            logprobs = policy_forward(policy, get("input_ids"), get("position_ids"), actions > 0)[0]
+            loss = rl.aggregate_loss(-logprobs, actions * (1.0 if layout.rows else 0.0), "token_mean",
+                                     global_tokens, None)
             (loss * world).backward()
             loss_sum += loss.item()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.train.grad_clip)

@@ -33,7 +33,8 @@ TAG_RE = re.compile(r"<(/?)(think|answer|tool_call)>")
 
 def normalize_answer(text):
     text = unicodedata.normalize("NFKC", text).lower()
-    text = "".join(ch for ch in text if not (unicodedata.category(ch).startswith("P") or ch in string.punctuation))
+    text = "".join(ch for ch in text
+                   if not (unicodedata.category(ch).startswith("P") or ch in string.punctuation))
     text = re.sub(r"\b(a|an|the)\b", " ", text)
     return " ".join(text.split())
 
@@ -74,7 +75,8 @@ def answer_scores(prediction, golds):
     """{"em", "substring_em", "f1"} for a prediction (None = no answer given: all zero)."""
     if prediction is None:
         return {"em": 0.0, "substring_em": 0.0, "f1": 0.0}
-    return {"em": exact_match(prediction, golds), "substring_em": substring_match(prediction, golds), "f1": f1_score(prediction, golds)}
+    return {"em": exact_match(prediction, golds), "substring_em": substring_match(prediction, golds),
+            "f1": f1_score(prediction, golds)}
 
 
 def tags_well_formed(text):
@@ -101,7 +103,8 @@ def format_score(traj, require_think=False):
         if k < len(turns) - 1 and answers:
             return 0.0
     last = turns[-1]
-    return float(len(ANSWER_RE.findall(last)) == 1 and "<tool_call>" not in last and bool(extract_answer(last)))
+    return float(len(ANSWER_RE.findall(last)) == 1 and "<tool_call>" not in last
+                 and bool(extract_answer(last)))
 
 
 def score_trajectory(traj, recipe=None):
@@ -112,5 +115,6 @@ def score_trajectory(traj, recipe=None):
     recipe = recipe or RewardConfig()
     traj.scores = {**answer_scores(extract_answer(traj.final_text), traj.sample.get("answers", [])),
                    "format": format_score(traj, recipe.require_think)}
-    traj.reward = recipe.answer_weight * traj.scores[recipe.metric] + recipe.format_weight * traj.scores["format"]
+    traj.reward = (recipe.answer_weight * traj.scores[recipe.metric]
+                   + recipe.format_weight * traj.scores["format"])
     return traj.reward

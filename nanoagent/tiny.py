@@ -145,7 +145,6 @@ TEXT_VOCAB_SIZE = 8192  # the most tokens a BPE trained on a task's text may hav
 TINY_VERSION = 3
 
 
-
 def _tokenizer_corpus():
     """Text the BPE is trained on: chat glue, tool-call JSON, digits and plain English words."""
     words = ("the of and to in is was who what which where when how many capital city country born river "

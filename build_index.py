@@ -16,8 +16,9 @@ Steps:
      row first (a bad one, or an id that repeats, is named by file:line and leaves the folder as it
      was). build.json records the settings and what the corpus was (size, mtime, a hash of its first
      and last 64 KiB and one of the whole file): a rerun on the same corpus resumes; after the
-     corpus changed the build starts again from scratch and says so (its embeddings are of passages the corpus no longer
-     has, and without this a rerun would index the old copy); other options must match;
+     corpus changed the build starts again from scratch and says so (its embeddings are of
+     passages the corpus no longer has, and without this a rerun would index the old copy); other
+     options must match;
   2. every rank embeds its share of the shards (shard i goes to rank i % world), batched, fp16 on a
      GPU, one .npy per shard written atomically; shards already on disk are skipped, so a build that
      was interrupted resumes where it stopped (with the same options: they are checked);
@@ -44,8 +45,10 @@ EDGE = 1 << 16  # bytes hashed at each end of a corpus file: its first and last 
 
 def parse_args(argv):
     from nanoagent.retriever import MINILM
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus", required=True, help="JSONL of {id, title, text}, or a hub dataset in BeIR's layout (BeIR/hotpotqa)")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--corpus", required=True,
+                        help="JSONL of {id, title, text}, or a hub dataset in BeIR's layout (BeIR/hotpotqa)")
     parser.add_argument("--out", required=True, help="index folder")
     parser.add_argument("--encoder", default=MINILM,
                         help="sentence-transformers model: hub id or local path (default: %(default)s, "
@@ -54,13 +57,15 @@ def parse_args(argv):
     parser.add_argument("--passage-prefix", default="", help='put before every passage (e5: "passage: ")')
     parser.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True,
                         help="unit-length embeddings, so inner product is cosine similarity")
-    parser.add_argument("--index-type", choices=["flat", "ivf", "hnsw"], default="flat", help="flat: exact inner product")
+    parser.add_argument("--index-type", choices=["flat", "ivf", "hnsw"], default="flat",
+                        help="flat: exact inner product")
     parser.add_argument("--nlist", type=int, default=0, help="ivf: clusters (0: 4 * sqrt(passages))")
     parser.add_argument("--nprobe", type=int, default=64, help="ivf: clusters visited per query")
     parser.add_argument("--hnsw-m", type=int, default=32, help="hnsw: links per node")
     parser.add_argument("--ef-search", type=int, default=128, help="hnsw: search breadth")
     parser.add_argument("--batch-size", type=int, default=512, help="passages per encoder batch")
-    parser.add_argument("--shard-size", type=int, default=100_000, help="passages per embedding shard (the unit of resuming)")
+    parser.add_argument("--shard-size", type=int, default=100_000,
+                        help="passages per embedding shard (the unit of resuming)")
     return parser.parse_args(argv)
 
 
@@ -68,9 +73,9 @@ def build_settings(args, encoder):
     """What the embeddings depend on, besides the corpus: a resumed build must match it."""
     from nanoagent.retriever import PROBE, encode
     probe = encode(encoder, [args.query_prefix + PROBE])[0]
-    return {"encoder": args.encoder, "dim": len(probe), "query_prefix": args.query_prefix, "passage_prefix": args.passage_prefix,
-            "normalize": args.normalize, "corpus": args.corpus, "shard_size": args.shard_size,
-            "probe": [round(float(x), 6) for x in probe]}
+    return {"encoder": args.encoder, "dim": len(probe), "query_prefix": args.query_prefix,
+            "passage_prefix": args.passage_prefix, "normalize": args.normalize, "corpus": args.corpus,
+            "shard_size": args.shard_size, "probe": [round(float(x), 6) for x in probe]}
 
 
 def check_resume(old, new, out):
@@ -81,11 +86,13 @@ def check_resume(old, new, out):
         if key in ("encoder", "probe"):
             continue
         if old.get(key) != new[key]:
-            raise SystemExit(f"build_index.py: {out} holds a build with {key}={old.get(key)!r}, not {new[key]!r}; "
-                             "resume it with the same options, or use another --out (or delete that folder)")
+            raise SystemExit(f"build_index.py: {out} holds a build with {key}={old.get(key)!r}, "
+                             f"not {new[key]!r}; resume it with the same options, or use another --out "
+                             "(or delete that folder)")
     if float(np.dot(old["probe"], new["probe"])) < PROBE_MIN_COSINE:
-        raise SystemExit(f"build_index.py: {out} holds embeddings made by the encoder {old['encoder']!r}, which embeds "
-                         f"differently from {new['encoder']!r}; use another --out (or delete that folder)")
+        raise SystemExit(f"build_index.py: {out} holds embeddings made by the encoder {old['encoder']!r}, "
+                         f"which embeds differently from {new['encoder']!r}; use another --out (or delete "
+                         "that folder)")
 
 
 def corpus_fingerprint(corpus):
@@ -98,14 +105,15 @@ def corpus_fingerprint(corpus):
     if not corpus_is_file(corpus):
         from datasets import load_dataset
         dataset = load_dataset(corpus, "corpus", split="corpus")
-        return {"rows": len(dataset), "fingerprint": dataset._fingerprint}  # a hash of the cached revision's files
+        # _fingerprint: a hash of the cached revision's files
+        return {"rows": len(dataset), "fingerprint": dataset._fingerprint}
     size = os.path.getsize(corpus)
     with open(corpus, "rb") as f:
         head = f.read(EDGE)
         f.seek(max(0, size - EDGE))
         tail = f.read(EDGE)
-    return {"bytes": size, "mtime_ns": os.stat(corpus).st_mtime_ns, "head_sha256": hashlib.sha256(head).hexdigest(),
-            "tail_sha256": hashlib.sha256(tail).hexdigest()}
+    return {"bytes": size, "mtime_ns": os.stat(corpus).st_mtime_ns,
+            "head_sha256": hashlib.sha256(head).hexdigest(), "tail_sha256": hashlib.sha256(tail).hexdigest()}
 
 
 def file_sha256(path):
@@ -125,11 +133,13 @@ def write_json(obj, path):
 
 def index_files(out):
     """The FAISS index files in a build folder: the current one, an old one, or one a killed run left."""
-    return [name for name in os.listdir(out) if name.startswith("index.") and name.endswith((".faiss", ".faiss.tmp"))]
+    return [name for name in os.listdir(out)
+            if name.startswith("index.") and name.endswith((".faiss", ".faiss.tmp"))]
 
 
 def passage_place(corpus, i):
-    """Where passage i (0-based) of a corpus is: file:line (iter_corpus skips blank lines), or the hub dataset's row."""
+    """Where passage i (0-based) of a corpus is: file:line (iter_corpus skips blank lines), or the hub
+    dataset's row."""
     from nanoagent.retriever import corpus_is_file
     if not corpus_is_file(corpus):
         return f"{corpus} row {i}"
@@ -143,12 +153,13 @@ def unique_ids(passages, corpus):
     one passage (in search results, in the document store), and two passages under one id, or a row
     repeated, would make the index answer for one with the other. A passage without an id has its
     line's (or row's) position as its id, and integer ids are strings: 7 and "7" are the same id."""
-    first = {}  # id -> position of its passage (~100 bytes per passage: 0.5 GB for BeIR's 5.2M HotpotQA passages)
+    # id -> position of its passage (~100 bytes per passage: 0.5 GB for BeIR's 5.2M HotpotQA passages)
+    first = {}
     for i, passage in enumerate(passages):
         j = first.setdefault(passage["id"], i)
         if j != i:
-            raise ValueError(f"{passage_place(corpus, i)}: the id {passage['id']!r} repeats that of {passage_place(corpus, j)}; "
-                             "every passage needs an id of its own")
+            raise ValueError(f"{passage_place(corpus, i)}: the id {passage['id']!r} repeats that of "
+                             f"{passage_place(corpus, j)}; every passage needs an id of its own")
         yield passage
 
 
@@ -177,12 +188,13 @@ def copy_corpus(args, settings):
         if not changed:
             return
         if changed == ["mtime_ns"] and file_sha256(args.corpus) == recorded.get("sha256"):
-            # the same bytes, written again or copied: remember the new mtime, so the next run need not hash it
+            # the same bytes, written again or copied: remember the new mtime, so the next run need not
+            # hash it
             write_json({**built, "source": {**recorded, **source}}, build_path)
             return
         why = f"{', '.join(changed)} differ" if recorded else f"{BUILD} does not record it"
-        print(f"build_index.py: {args.corpus} is not the corpus {args.out} was built from ({why}): the document store "
-              "and the embeddings are built again from scratch", flush=True)
+        print(f"build_index.py: {args.corpus} is not the corpus {args.out} was built from ({why}): "
+              "the document store and the embeddings are built again from scratch", flush=True)
     if "bytes" in source:  # a local file
         source["sha256"] = file_sha256(args.corpus)
     staging = os.path.join(args.out, "docstore.tmp")
@@ -215,7 +227,8 @@ def embed_shards(docs, encoder, settings, out, batch_size, rank, world):
     from nanoagent.retriever import EMBEDDINGS, encode, replace_durably
     n, size = settings["count"], settings["shard_size"]
     shards = range(math.ceil(n / size))
-    todo = [s for s in shards[rank::world] if not os.path.exists(os.path.join(out, EMBEDDINGS, f"{s:06d}.npy"))]
+    todo = [s for s in shards[rank::world]
+            if not os.path.exists(os.path.join(out, EMBEDDINGS, f"{s:06d}.npy"))]
     if rank == 0:
         print(f"embedding {len(todo)} of {len(shards[rank::world])} shards on rank 0 ({len(shards)} shards, "
               f"{world} ranks; shards already on disk are kept)", flush=True)
@@ -241,15 +254,18 @@ def assemble(out, settings, args):
     import numpy as np
     from nanoagent.retriever import EMBEDDINGS, META, replace_durably
     n, size, dim = settings["count"], settings["shard_size"], settings["dim"]
-    shards = [np.load(os.path.join(out, EMBEDDINGS, f"{s:06d}.npy"), mmap_mode="r") for s in range(math.ceil(n / size))]
+    shards = [np.load(os.path.join(out, EMBEDDINGS, f"{s:06d}.npy"), mmap_mode="r")
+              for s in range(math.ceil(n / size))]
     for s, emb in enumerate(shards):
         if emb.shape != (min(n, (s + 1) * size) - s * size, dim):
-            raise SystemExit(f"build_index.py: {out}/{EMBEDDINGS}/{s:06d}.npy has shape {emb.shape}; delete it and run again")
+            raise SystemExit(f"build_index.py: {out}/{EMBEDDINGS}/{s:06d}.npy has shape {emb.shape}; "
+                             "delete it and run again")
     params = {"index_type": args.index_type}
     if args.index_type == "flat":
         index = faiss.IndexFlatIP(dim)
     elif args.index_type == "ivf":
-        nlist = args.nlist or max(1, min(int(4 * math.sqrt(n)), n // 39))  # FAISS wants >= 39 training points per cluster
+        # FAISS wants >= 39 training points per cluster
+        nlist = args.nlist or max(1, min(int(4 * math.sqrt(n)), n // 39))
         index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT)
         params.update(nlist=nlist, nprobe=min(args.nprobe, nlist))
         if faiss.get_num_gpus() > 0:
@@ -264,7 +280,8 @@ def assemble(out, settings, args):
         index.add(np.ascontiguousarray(emb))
     if args.index_type == "ivf" and faiss.get_num_gpus() > 0:
         index = faiss.index_gpu_to_cpu(index)
-    name = f"index.{os.urandom(4).hex()}.faiss"  # a new name: the old pair stays whole until meta.json is replaced
+    # a new name: the old pair stays whole until meta.json is replaced
+    name = f"index.{os.urandom(4).hex()}.faiss"
     faiss.write_index(index, os.path.join(out, name + ".tmp"))
     replace_durably(os.path.join(out, name + ".tmp"), os.path.join(out, name))
     write_json({**settings, **params, "index_file": name}, os.path.join(out, META))

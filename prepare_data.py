@@ -4,7 +4,7 @@ Write the prompt files RL trains and evaluates on: the task's prepare() (nanoage
     python prepare_data.py --task=hotpotqa --out=data/hotpotqa --train-size=20000 --val-size=500
     python prepare_data.py --task=hotpotqa --source=DIR --out=data/hotpotqa      # local HotpotQA JSON files
     python prepare_data.py --task=synthetic --out=data/synthetic                  # offline multi-hop world
-    python prepare_data.py --task=gsm8k --out=data/gsm8k                          # --source=DIR: GSM8K's JSONL files
+    python prepare_data.py --task=gsm8k --out=data/gsm8k
     python prepare_data.py --task=path/to/my_task.py --out=data/mine
 
 hotpotqa: HotpotQA questions (hub through the datasets library, or the original JSON files in
@@ -30,13 +30,20 @@ from nanoagent.tasks import load_task, task_names
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", required=True, help=f"a task in nanoagent/tasks/ ({', '.join(task_names())}) or a path to a task file")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", required=True,
+                        help=f"a task in nanoagent/tasks/ ({', '.join(task_names())}) "
+                             "or a path to a task file")
     parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--source", default=None, help="where the task's raw data is, instead of the hub (hotpotqa: a folder of JSON files; gsm8k: of JSONL files)")
+    parser.add_argument("--source", default=None,
+                        help="where the task's raw data is, instead of the hub (hotpotqa: a folder of JSON "
+                             "files; gsm8k: of JSONL files)")
     parser.add_argument("--train-size", type=int, default=0, help="sampled training prompts (0: all)")
-    parser.add_argument("--val-size", type=int, default=None, help="sampled validation prompts (default: the task's)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed writes the same files")
+    parser.add_argument("--val-size", type=int, default=None,
+                        help="sampled validation prompts (default: the task's)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="sampling seed: the same seed writes the same files")
     args = parser.parse_args(argv)
     if args.train_size < 0 or (args.val_size is not None and args.val_size < 1):
         parser.error("--train-size must be >= 0 and --val-size >= 1")

@@ -18,8 +18,8 @@ import json
 import os
 import sys
 
-QA_LEGEND = ("em = strict exact match; substring_em = a gold answer occurs in the prediction (Agent-R1's accuracy); "
-             "f1 = token F1 (SQuAD); ")
+QA_LEGEND = ("em = strict exact match; substring_em = a gold answer occurs in the prediction "
+             "(Agent-R1's accuracy); f1 = token F1 (SQuAD); ")
 
 
 def read_metrics(path):
@@ -41,7 +41,8 @@ def read_stages(path):
                 try:
                     stages.append((name, float(seconds)))
                 except ValueError:
-                    raise ValueError(f"{path}:{n}: expected `stage<TAB>seconds`, got {line.strip()!r}") from None
+                    raise ValueError(f"{path}:{n}: expected `stage<TAB>seconds`, "
+                                     f"got {line.strip()!r}") from None
     return stages
 
 
@@ -79,7 +80,8 @@ def plot(rows, out_dir):
     train = [r for r in rows if "reward" in r]
     evals = [r for r in rows if "eval/reward" in r]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in train], [r["reward"] for r in train], label="training rollouts (sampled)", alpha=0.8)
+    ax.plot([r["step"] for r in train], [r["reward"] for r in train], label="training rollouts (sampled)",
+            alpha=0.8)
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval/reward"] for r in evals], "o-",
                 label="held-out (greedy)")
@@ -133,19 +135,24 @@ def write_report(run_dir, out_path, eval_path=None, stages=(), gpus=0):
     lines += ["## Held-out metrics (greedy decoding)", ""]
     if evals:
         before, after = evals[0], evals[-1]
-        lines += [f"| metric | before RL (step {before['step']}) | after RL (step {after['step']}) | change |",
+        lines += [f"| metric | before RL (step {before['step']}) "
+                  f"| after RL (step {after['step']}) | change |",
                   "|---|---|---|---|"]
-        keys = sorted((k for k in after if k.startswith("eval/") and k in before), key=lambda k: k.count("/"))  # overall, then per type
-        lines += [f"| {k[len('eval/'):]} | {before[k]:.3f} | {after[k]:.3f} | {after[k] - before[k]:+.3f} |" for k in keys]
-        lines += ["", f"reward = the task's reward recipe; {QA_LEGEND if 'eval/em' in keys else ''}the other scores are the task's "
-                  "(its score()); turns and tool_calls per prompt; TYPE/...: the prompts of one type.", ""]
+        keys = sorted((k for k in after if k.startswith("eval/") and k in before),
+                      key=lambda k: k.count("/"))  # overall, then per type
+        lines += [f"| {k[len('eval/'):]} | {before[k]:.3f} | {after[k]:.3f} | {after[k] - before[k]:+.3f} |"
+                  for k in keys]
+        lines += ["", f"reward = the task's reward recipe; {QA_LEGEND if 'eval/em' in keys else ''}"
+                  "the other scores are the task's (its score()); turns and tool_calls per prompt; "
+                  "TYPE/...: the prompts of one type.", ""]
     else:
         lines += [f"No held-out evaluation was logged (eval.every={config['eval']['every']}): "
                   "the curves below are of the sampled training rollouts.", ""]
 
     if eval_path:
         summary, n = eval_summary(eval_path)
-        lines += [f"## Validation set: {n} questions (rollout.py, greedy)", "", "| metric | value |", "|---|---|"]
+        lines += [f"## Validation set: {n} questions (rollout.py, greedy)", "",
+                  "| metric | value |", "|---|---|"]
         lines += [f"| {k} | {v:.3f} |" for k, v in summary.items()] + [""]
     lines += (["## Training curves", "",
                "Per step: the reward; the update's losses, KL (to the reference model when the run has one, "
@@ -157,10 +164,12 @@ def write_report(run_dir, out_path, eval_path=None, stages=(), gpus=0):
         last = train[-1]
         step_times = sorted(r["time/step"] for r in train)
         lines += ["## Throughput", "",
-                  f"- median step time {step_times[len(step_times) // 2]:.2f} s; last step: rollout {last['time/rollout']:.2f} s, "
+                  f"- median step time {step_times[len(step_times) // 2]:.2f} s; "
+                  f"last step: rollout {last['time/rollout']:.2f} s, "
                   f"logprob/value passes {last['time/forward']:.2f} s, update {last['time/update']:.2f} s, "
                   f"weight push {last['time/push']:.2f} s",
-                  f"- {last['tokens_per_s']:.0f} tokens/s ({last['action_tokens_per_s']:.0f} action tokens/s) at the last step", ""]
+                  f"- {last['tokens_per_s']:.0f} tokens/s "
+                  f"({last['action_tokens_per_s']:.0f} action tokens/s) at the last step", ""]
     if stages:
         total = sum(s for _, s in stages)
         lines += ["## Stages", "", "| stage | wall time |", "|---|---|"]
@@ -175,16 +184,19 @@ def write_report(run_dir, out_path, eval_path=None, stages=(), gpus=0):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", required=True, help="run folder of train.py (config.json, metrics.jsonl)")
-    parser.add_argument("--out", default=None, help="report path (default: <run>/report.md); the PNGs go next to it")
+    parser.add_argument("--out", default=None,
+                        help="report path (default: <run>/report.md); the PNGs go next to it")
     parser.add_argument("--eval", default=None, help="trajectories JSONL of rollout.py on the validation set")
     parser.add_argument("--stages", default=None, help="TSV of stage<TAB>seconds (make speedrun writes it)")
     parser.add_argument("--gpus", type=int, default=0, help="GPUs used, for GPU-hours")
     args = parser.parse_args(argv)
     try:
         stages = read_stages(args.stages) if args.stages else []
-        path = write_report(args.run, args.out or os.path.join(args.run, "report.md"), args.eval, stages, args.gpus)
+        path = write_report(args.run, args.out or os.path.join(args.run, "report.md"), args.eval, stages,
+                            args.gpus)
     except (FileNotFoundError, ValueError) as e:
         print(f"report.py: {e}", file=sys.stderr)
         return 2

@@ -9,7 +9,7 @@ import json
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from nanoagent.tiny import pretraining_loss
+from nanoagent.tiny_pretrain import pretraining_loss
 
 
 def call(name, arguments, raw=None):

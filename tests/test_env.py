@@ -24,7 +24,7 @@ from nanoagent.config import make_config
 from nanoagent.engine import SamplingConfig, VLLMEngine, stop_token_ids
 from nanoagent.env import ChatEnv
 from nanoagent.tasks import textworld
-from nanoagent.tiny import pretraining_loss, pretraining_rows
+from nanoagent.tiny_pretrain import pretraining_loss, pretraining_rows
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

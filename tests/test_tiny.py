@@ -25,8 +25,8 @@ from nanoagent.data import write_prompts
 from nanoagent.env import tool_env
 from nanoagent.tasks.synthetic import make_split, make_world, passages, scrambled_dialogues, scrambled_world
 from nanoagent.tiny import (IM_END, IM_START, PRETOKENIZE, QWEN_PLAIN_ADDED_TOKENS, QWEN_SPECIAL_TOKENS, QWEN_VOCAB_SIZE,
-                            TEXT_VOCAB_SIZE, TOOL_TAGS, build_tiny_model, build_tokenizer, ensure_tiny_model, pretrain,
-                            pretraining_loss, pretraining_rows, task_texts)
+                            TEXT_VOCAB_SIZE, TOOL_TAGS, build_tiny_model, build_tokenizer, ensure_tiny_model)
+from nanoagent.tiny_pretrain import pretrain, pretraining_loss, pretraining_rows, task_texts
 from nanoagent.tools import format_passages, search_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

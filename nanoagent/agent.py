@@ -1,45 +1,36 @@
 """
 The multi-turn agent loop: generate, step the environment, observe, repeat.
 
-Each trajectory is scheduled on its own, as the systems we learn from do (verl's AgentLoop, SkyRL,
-AReaL): its turn is a request in the engine; when the request finishes, its environment steps on
-the action in the background (ChatEnv.start: a tool task runs its tool calls, a game its command)
-while the engine keeps decoding the other trajectories' turns; when the step is back, its next
-turn enters the engine at once, and prefix caching reuses the KV of its earlier turns. A
-trajectory that is done frees its slot; a slow step holds up only the trajectory that took it.
-Tool calls that are waiting at the same moment run together (one batched search, tools.ToolRunner).
-With seeds, trajectory i samples turn k with a seed of its own derived from (seed, i, k), so what
-it samples does not depend on when its steps came back or what else ran.
+Each trajectory is scheduled on its own, as in verl's AgentLoop, SkyRL and AReaL: when its turn
+finishes in the engine, its environment steps in the background (ChatEnv.start) while the engine
+keeps decoding the other trajectories' turns, and its next turn enters the engine as soon as the
+step is back (prefix caching reuses the KV of its earlier turns). A slow step holds up only its own
+trajectory; tool calls waiting at the same moment run together (one batched search, tools.ToolRunner).
+With seeds, trajectory i samples turn k with a seed derived from (seed, i, k), so what it samples
+does not depend on when its steps came back or what else ran.
 
-A trajectory is one token row
+A trajectory is one token row, kept token-in/token-out:
 
     prompt | act_1 | obs_1 | act_2 | obs_2 | ... | act_n
 
-kept token-in/token-out: act_k are the ids the engine sampled (action_mask 1, with their rollout
-logprobs), obs_k are the ids the environment appended (action_mask 0): the chat-template glue that
-closes the assistant turn, the observation (tool results, a game's text), and the next assistant
-header. Nothing is ever decoded and re-encoded, so the trainer scores exactly the tokens that were
-sampled. Each step's reward is kept per turn (Trajectory.step_rewards); the trainer puts it on the
-turn's last action token.
+act_k are the ids the engine sampled (action_mask 1, with their rollout logprobs), obs_k the ids the
+environment appended (action_mask 0): the template's glue that closes the assistant turn, the
+observation, the next assistant header. Nothing is decoded and re-encoded, so the trainer scores
+exactly the tokens that were sampled. Each step's reward goes on its turn's last action token.
+With rollout.context=last_k (Agent-R1 v0.1's step context) each turn's prompt is rendered afresh
+from the system prompt, the task and the last K turns, and the trainer scores each (prompt, action)
+pair as a sequence of its own (Trajectory.sequences). Earlier turns are re-rendered from their text,
+so a prompt can differ from the tokens sampled before it; what is trained is what the engine saw.
 
-With rollout.context=last_k (ChatEnv.context) a turn does not see the whole trajectory: the
-prompt is rendered afresh from the conversation, the system prompt and the task with the last K
-turns (Agent-R1 v0.1's step context; Trajectory.step_prompts). Each turn is then a pair (the
-prompt ids it was sampled from, the ids it sampled), token-in/token-out within the turn, and the
-trainer scores each pair as a sequence of its own (Trajectory.sequences). Earlier turns are
-re-rendered from their text in later prompts, so a turn's prompt can differ from the tokens
-sampled before it; what is trained is always what the engine saw and sampled.
-
-A trajectory ends when its environment says it is done ("done": a tool task's model answered
-without a tool call, a game was won or lost); when a turn is cut by the new-token budget, and the
-environment is done or it was the last allowed turn ("truncated"), or by the context budget
-("context_budget", as when the next observation would not fit) -- except that a cut turn on which the
-environment reports done without having read as far as the cut (its info["read_to_end"] False: a
-game reads the first line of a reply) ends as "done", its outcome the environment's; after the last
-allowed turn without the environment being done ("max_turns": the turn budget, gym's truncation);
-or when a step of its environment failed or ran past rollout.step_timeout_s ("env_error", with the
-reason in Trajectory.error). A turn cut before the last turn otherwise goes on: the environment
-reads what was cut (a tool call that was not closed is an error the model reads).
+How a trajectory ends (finish_reason): "done", the environment says so (a tool task's model
+answered without a tool call, a game was won or lost); "truncated", a turn cut by the new-token
+budget when the environment is done or it was the last allowed turn; "context_budget", cut by the
+context budget, or the next observation would not fit; "max_turns", the last allowed turn passed
+without the environment being done (gym's truncation); "env_error", a step failed or ran past
+rollout.step_timeout_s (the reason in Trajectory.error). A cut turn that the environment ended
+without reading as far as the cut (info["read_to_end"] False: a game reads a reply's first line)
+is "done", its outcome the environment's. A cut turn before the last otherwise goes on: the
+environment reads what was cut (an unclosed tool call is an error the model reads).
 """
 
 import time
@@ -54,17 +45,20 @@ FINISH_REASONS = ("done", "truncated", "context_budget", "max_turns", "env_error
 
 @dataclass
 class Trajectory:
-    sample: dict                                           # the data row (id, messages, answers, ...); its messages: what reset returned
+    sample: dict                                           # the data row (id, messages, answers, ...);
+                                                           # its messages: what reset returned
     prompt_ids: list
     messages: list                                         # the conversation, prompt included
     env: object = None                                     # its environment (env.py), made for it alone
-    response_ids: list = field(default_factory=list)       # full context: act_1 obs_1 ... act_n; last_k: act_1 ... act_n
-    action_mask: list = field(default_factory=list)        # 1: sampled by the policy; 0: added by the environment
-    rollout_logprobs: list = field(default_factory=list)   # engine logprob of each response token (0 where mask 0)
+    response_ids: list = field(default_factory=list)       # full context: act_1 obs_1 ... act_n;
+                                                           # last_k: act_1 ... act_n
+    action_mask: list = field(default_factory=list)        # 1: sampled by the policy; 0: the environment's
+    rollout_logprobs: list = field(default_factory=list)   # engine logprob of each token (0 where mask 0)
     turn_spans: list = field(default_factory=list)         # [start, end) of each action in response_ids
     step_rewards: list = field(default_factory=list)       # the environment's reward for each turn
     step_prompts: list = field(default_factory=list)       # last_k: the prompt ids each turn was sampled from
-    tool_calls: list = field(default_factory=list)         # ToolCall, with the turn it was made in (a tool task's steps' info)
+    tool_calls: list = field(default_factory=list)         # ToolCall, with the turn it was made in
+                                                           # (a tool task's steps' info)
     final_text: str = ""                                   # content of the last assistant turn
     finish_reason: str | None = None
     error: str | None = None                               # env_error: what went wrong
@@ -75,7 +69,7 @@ class Trajectory:
         return len(self.prompt_ids) + len(self.response_ids)
 
     def next_prompt_ids(self):
-        """What the next turn is sampled from: the row so far, or (last_k) the prompt rendered for it."""
+        """The next turn's prompt: the row so far, or (last_k) the prompt rendered for it."""
         return self.step_prompts[-1] if self.step_prompts else self.prompt_ids + self.response_ids
 
     def sequences(self):
@@ -86,10 +80,11 @@ class Trajectory:
         """
         if not self.step_prompts:
             P = len(self.prompt_ids)
-            return [(self.prompt_ids + self.response_ids, [0] * P + self.action_mask, [0.0] * P + self.rollout_logprobs,
-                     [(P + s, P + e) for s, e in self.turn_spans])]
+            return [(self.prompt_ids + self.response_ids, [0] * P + self.action_mask,
+                     [0.0] * P + self.rollout_logprobs, [(P + s, P + e) for s, e in self.turn_spans])]
         return [(prompt + self.response_ids[s:e], [0] * len(prompt) + self.action_mask[s:e],
-                 [0.0] * len(prompt) + self.rollout_logprobs[s:e], [(len(prompt), len(prompt) + e - s)])
+                 [0.0] * len(prompt) + self.rollout_logprobs[s:e],
+                 [(len(prompt), len(prompt) + e - s)])
                 for prompt, (s, e) in zip(self.step_prompts, self.turn_spans)]
 
     def append(self, ids, mask, logprobs=None):
@@ -100,12 +95,14 @@ class Trajectory:
     def to_json(self, tokenizer):
         return {
             "id": self.sample.get("id"), "answers": self.sample.get("answers", []),
-            "finish_reason": self.finish_reason, **({"error": self.error} if self.error else {}), "reward": self.reward,
-            "scores": self.scores, "turns": len(self.turn_spans), "step_rewards": self.step_rewards, "final_text": self.final_text,
+            "finish_reason": self.finish_reason, **({"error": self.error} if self.error else {}),
+            "reward": self.reward, "scores": self.scores, "turns": len(self.turn_spans),
+            "step_rewards": self.step_rewards, "final_text": self.final_text,
             "tool_calls": [{"turn": c.turn, "name": c.name, "arguments": c.arguments, "result": c.result,
                             "error": c.error, "seconds": round(c.seconds, 4)} for c in self.tool_calls],
             "messages": self.messages, "prompt_ids": self.prompt_ids, "response_ids": self.response_ids,
-            "action_mask": self.action_mask, "rollout_logprobs": self.rollout_logprobs, "turn_spans": self.turn_spans,
+            "action_mask": self.action_mask, "rollout_logprobs": self.rollout_logprobs,
+            "turn_spans": self.turn_spans,
             "response_text": tokenizer.decode(self.response_ids, skip_special_tokens=False),
             **({"step_prompt_ids": self.step_prompts} if self.step_prompts else {}),
         }
@@ -121,14 +118,17 @@ def start_trajectories(env, samples, max_context_tokens):
         try:
             messages = list(environment.reset(s))
         except Exception as e:
-            raise RuntimeError(f"the environment of {s.get('id')!r} did not reset: {type(e).__name__}: {e}") from e
+            raise RuntimeError(f"the environment of {s.get('id')!r} did not reset: "
+                               f"{type(e).__name__}: {e}") from e
         key = repr(messages)
         if key not in rendered:
             rendered[key] = env.prompt_ids(messages)
         prompt_ids = rendered[key]
         if len(prompt_ids) >= max_context_tokens:
-            raise ValueError(f"prompt {s.get('id')!r} is {len(prompt_ids)} tokens, over the context budget of {max_context_tokens}")
-        trajs.append(Trajectory(sample={**s, "messages": messages}, prompt_ids=prompt_ids, messages=list(messages), env=environment,
+            raise ValueError(f"prompt {s.get('id')!r} is {len(prompt_ids)} tokens, "
+                             f"over the context budget of {max_context_tokens}")
+        trajs.append(Trajectory(sample={**s, "messages": messages}, prompt_ids=prompt_ids,
+                                messages=list(messages), env=environment,
                                 step_prompts=[prompt_ids] if env.context == "last_k" else []))
     return trajs
 
@@ -151,9 +151,8 @@ def take_turn(t, ids, logprobs, tokenizer):
 def observe(t, env, step, content, ended_with_eos, last_turn, cut, max_context_tokens):
     """
     Take a turn's step into the trajectory (step: its Future, ChatEnv.start). cut: None, or the
-    finish reason of a turn the budget cut ("truncated" or "context_budget"). With the full context
-    the observation's ids are appended to the row; with last_k the next turn's prompt is rendered.
-    Returns True when the trajectory goes on, False when this ended it (module docstring).
+    finish reason of a turn the budget cut ("truncated" or "context_budget"). Returns True when the
+    trajectory goes on, False when this ended it (module docstring).
     """
     assistant = {"role": "assistant", "content": content}
     try:
@@ -167,9 +166,9 @@ def observe(t, env, step, content, ended_with_eos, last_turn, cut, max_context_t
     t.tool_calls += info.get("tool_calls", [])
     if done or last_turn:
         t.messages.append(assistant)
-        # the budget's reason, unless the environment ended the episode without reading as far as the cut
-        # (a game reads the first line of a reply): then what it judged was whole, and the outcome is the
-        # environment's
+        # the budget's reason, unless the environment ended the episode without reading as far as the
+        # cut (a game reads the first line of a reply): then what it judged was whole, and the outcome
+        # is the environment's
         budget_ended = cut and (not done or info.get("read_to_end", True))
         t.final_text, t.finish_reason = content, cut if budget_ended else "done" if done else "max_turns"
         return False
@@ -178,7 +177,8 @@ def observe(t, env, step, content, ended_with_eos, last_turn, cut, max_context_t
         obs_ids = env.observation_ids(t.messages, content, observation, ended_with_eos)
         next_length = len(t) + len(obs_ids)
     else:
-        next_prompt = env.step_prompt_ids(t.messages + [assistant] + observation, len(t.sample["messages"]))
+        next_prompt = env.step_prompt_ids(t.messages + [assistant] + observation,
+                                          len(t.sample["messages"]))
         next_length = len(next_prompt)
     if next_length >= max_context_tokens:
         t.messages.append(assistant)
@@ -202,7 +202,8 @@ def run_agent(engine, env, samples, sampling, max_turns, max_context_tokens, see
     the order of samples.
     """
     trajs = start_trajectories(env, samples, max_context_tokens)
-    generating, stepping = {}, {}  # request id -> (i, turn, budget);  step future -> (i, turn, content, eos, cut, started)
+    # request id -> (i, turn, budget);  step future -> (i, turn, content, eos, cut, started)
+    generating, stepping = {}, {}
     engine_s = idle_s = 0.0
 
     def submit(i, turn):
@@ -215,24 +216,28 @@ def run_agent(engine, env, samples, sampling, max_turns, max_context_tokens, see
         submit(i, 0)
     while generating or stepping:
         start = time.perf_counter()
-        # an engine that batches per call (HFEngine) waits for every step so that a turn's requests go together
+        # an engine that batches per call (HFEngine) waits for every step: a turn's requests go together
         if generating and (engine.continuous_batching or not stepping):
             for request_id, gen in engine.step():
                 i, turn, budget = generating.pop(request_id)
                 content, ended_with_eos = take_turn(trajs[i], gen.token_ids, gen.logprobs, env.tokenizer)
-                cut = None if gen.finish_reason != "length" else "context_budget" if budget < sampling.max_new_tokens else "truncated"
-                stepping[env.start(trajs[i].env, content)] = (i, turn, content, ended_with_eos, cut, time.perf_counter())
+                cut = (None if gen.finish_reason != "length"
+                       else "context_budget" if budget < sampling.max_new_tokens else "truncated")
+                stepping[env.start(trajs[i].env, content)] = (i, turn, content, ended_with_eos, cut,
+                                                              time.perf_counter())
             engine_s += time.perf_counter() - start
         else:  # nothing to generate until a step is back
             first_deadline = min(started for *_, started in stepping.values()) + env.step_timeout_s
-            wait(stepping, timeout=max(0.0, first_deadline - time.perf_counter()), return_when=FIRST_COMPLETED)
+            wait(stepping, timeout=max(0.0, first_deadline - time.perf_counter()),
+                 return_when=FIRST_COMPLETED)
             idle_s += time.perf_counter() - start
         for future, (*_, started) in stepping.items():
             if time.perf_counter() - started > env.step_timeout_s:
                 env.expire(future)
         for future in [f for f in stepping if f.done()]:
             i, turn, content, ended_with_eos, cut, _ = stepping.pop(future)
-            if observe(trajs[i], env, future, content, ended_with_eos, turn == max_turns - 1, cut, max_context_tokens):
+            if observe(trajs[i], env, future, content, ended_with_eos, turn == max_turns - 1, cut,
+                       max_context_tokens):
                 submit(i, turn + 1)
     if timing is not None:
         timing.update(engine_s=engine_s, idle_s=idle_s)
@@ -249,7 +254,8 @@ def rollout_metrics(trajs, seconds=None):
         "step_reward": sum(sum(t.step_rewards) for t in trajs) / n,
         "turns": sum(len(t.turn_spans) for t in trajs) / n,
         "response_tokens": sum(len(t.response_ids) for t in trajs) / n,
-        "context_tokens": sum(max(len(ids) for ids, *_ in t.sequences()) for t in trajs) / n,  # the longest prompt + action
+        # the longest prompt + action
+        "context_tokens": sum(max(len(ids) for ids, *_ in t.sequences()) for t in trajs) / n,
         "action_tokens": action_tokens / n,
         "tool_calls": len(calls) / n,
         "tool_errors": sum(c.error for c in calls) / max(len(calls), 1),
@@ -267,12 +273,11 @@ def rollout_metrics(trajs, seconds=None):
 
 def scripted_trajectories(env, samples, scripts):
     """
-    Trajectories whose actions are given texts (demonstrations for a warm start), assembled the
-    way run_agent assembles sampled ones: the action ids are the text's tokens, + EOS unless the
-    text ends with a stop tag (as the engine would have stopped), the environments step for real,
-    all trajectories' steps of a turn together (one batched search), and the observations are the
-    template's suffix. scripts[i]: the assistant turn texts of samples[i]; a trajectory ends when
-    its environment is done or its script is.
+    Trajectories whose actions are given texts (demonstrations for a warm start), assembled as
+    run_agent assembles sampled ones: the action ids are the text's tokens, + EOS unless the text
+    ends with a stop tag (as the engine would have stopped), and the environments step for real,
+    a turn's steps together (one batched search). scripts[i]: the assistant turn texts of
+    samples[i]; a trajectory ends when its environment is done or its script is.
     """
     tokenizer = env.tokenizer
     trajs = start_trajectories(env, samples, max_context_tokens=float("inf"))

@@ -105,10 +105,11 @@ def check_prompts(rows, bad_prompts, source):
             name = row.get("id") if isinstance(row, dict) and row.get("id") not in (None, "") else f"row {i}"
             bad.append(f"{name} ({problem})")
     if bad and bad_prompts == "refuse":
-        raise ValueError(f"{source}: {len(bad)} of {len(rows)} prompts cannot be trained on (first: {'; '.join(bad[:3])}); "
-                         f"fix them or set data.bad_prompts=drop")
+        raise ValueError(f"{source}: {len(bad)} of {len(rows)} prompts cannot be trained on "
+                         f"(first: {'; '.join(bad[:3])}); fix them or set data.bad_prompts=drop")
     if bad:
-        print0(f"{source}: dropped {len(bad)} of {len(rows)} prompts that cannot be trained on (first: {'; '.join(bad[:3])})")
+        print0(f"{source}: dropped {len(bad)} of {len(rows)} prompts that cannot be trained on "
+               f"(first: {'; '.join(bad[:3])})")
     if not kept:
         raise ValueError(f"{source}: no prompts to train on")
     return kept
@@ -124,12 +125,13 @@ def fit_prompts(rows, lengths, max_tokens, bad_prompts, source):
     """
     over = [row["id"] for row, n in zip(rows, lengths) if n > max_tokens]
     if over and bad_prompts == "refuse":
-        raise ValueError(f"{source}: {len(over)} of {len(rows)} prompts are longer than data.max_prompt_tokens={max_tokens} "
-                         f"(first: {', '.join(map(str, over[:3]))}); raise data.max_prompt_tokens or set data.bad_prompts=drop")
+        raise ValueError(f"{source}: {len(over)} of {len(rows)} prompts are longer than "
+                         f"data.max_prompt_tokens={max_tokens} (first: {', '.join(map(str, over[:3]))}); "
+                         "raise data.max_prompt_tokens or set data.bad_prompts=drop")
     kept = [row for row, n in zip(rows, lengths) if n <= max_tokens]
     if over:
-        print0(f"{source}: dropped {len(over)} of {len(rows)} prompts longer than data.max_prompt_tokens={max_tokens} "
-               f"(first: {', '.join(map(str, over[:3]))})")
+        print0(f"{source}: dropped {len(over)} of {len(rows)} prompts longer than "
+               f"data.max_prompt_tokens={max_tokens} (first: {', '.join(map(str, over[:3]))})")
     if not kept:
         raise ValueError(f"{source}: no prompts to train on")
     return kept
@@ -141,11 +143,13 @@ def write_prompts(out, splits):
     prepare_data.py fails instead of writing a file (an empty one included) that training refuses."""
     for split, rows in splits.items():
         if not rows:
-            raise ValueError(f"the {split} split has no prompts; nothing written to {out} (check the sizes asked for and the source)")
+            raise ValueError(f"the {split} split has no prompts; nothing written to {out} "
+                             "(check the sizes asked for and the source)")
         check_prompts(rows, "refuse", f"the {split} split")
     for split, rows in splits.items():
         path = os.path.join(out, f"{split}.parquet")
-        pq.write_table(pa.Table.from_pylist([{**r, "messages": json.dumps(r["messages"])} for r in rows]), path)
+        pq.write_table(pa.Table.from_pylist([{**r, "messages": json.dumps(r["messages"])} for r in rows]),
+                       path)
         print(f"wrote {len(rows)} prompts to {path}")
 
 
@@ -155,5 +159,6 @@ def step_prompts(rows, step, per_rank, rank, world, seed, shuffle):
     order drawn anew every epoch: one permutation per epoch, not per prompt (100k rows: ~2 ms)."""
     start = (step * world + rank) * per_rank
     epochs, indices = np.divmod(np.arange(start, start + per_rank), len(rows))
-    orders = {e: np.random.default_rng([seed, e]).permutation(len(rows)) if shuffle else np.arange(len(rows)) for e in set(epochs.tolist())}
+    orders = {e: np.random.default_rng([seed, e]).permutation(len(rows)) if shuffle else np.arange(len(rows))
+              for e in set(epochs.tolist())}
     return [rows[orders[e][i]] for e, i in zip(epochs.tolist(), indices.tolist())]

@@ -1,29 +1,27 @@
 """
 The rollout engine: token ids in, sampled token ids + their logprobs + a finish reason out.
 
-Two implementations with one interface: submit(request_id, prompt_ids, sampling, max_new_tokens,
+Two implementations of one interface: submit(request_id, prompt_ids, sampling, max_new_tokens,
 seed) queues a generation, step() advances the engine and returns the generations that finished,
 generate() does a whole batch at once; load_weights, sleep, wake.
-- VLLMEngine: vLLM living in the trainer's own process, one per rank (`external_launcher` under
-  torchrun), so the trainer can hand it new weights as tensors after every update, without
-  writing a checkpoint or crossing a process boundary. On a GPU, sleep()/wake() give its memory
-  (weights and KV cache) to training and take it back.
-- HFEngine: a short decode loop of our own over a transformers model with a KV cache, batched
-  with left padding, for machines without vLLM (the GPU box without a vLLM build, quick
-  experiments). Same interface, slower. Not transformers' generate: that merges in the model's own
-  generation_config (Qwen2.5-Instruct ships a repetition penalty and top_k), so it would sample
-  from one distribution and report the logprobs of another, and returning logits to compute
-  logprobs afterwards keeps [B, V] fp32 per step (tens of GB at Qwen's vocabulary). The loop keeps
-  one logprob per sampled token. sleep() moves its weights to the CPU so that training does not
-  share the GPU with a second full copy of the model.
+- VLLMEngine: vLLM in the trainer's own process, one per rank (`external_launcher` under torchrun),
+  so the trainer hands it new weights as tensors after every update, without writing a checkpoint
+  or crossing a process boundary. On a GPU, sleep()/wake() lend its memory (weights and KV cache)
+  to training and take it back.
+- HFEngine: our own decode loop over a transformers model with a KV cache, batched with left
+  padding, for machines without vLLM; slower. Not transformers' generate: that merges in the
+  model's generation_config (Qwen2.5-Instruct ships a repetition penalty and top_k), so it would
+  sample from one distribution and report the logprobs of another, and returning logits to compute
+  logprobs afterwards keeps [B, V] fp32 per step (tens of GB at Qwen's vocabulary). sleep() moves
+  its weights to the CPU, so training does not share the GPU with a second copy of the model.
 
-Token-in/token-out matters: the ids the engine sampled are kept exactly, so the trainer scores
-the very tokens that were sampled (decode -> re-encode is lossy). Logprobs are those of the
-distribution actually sampled from: softmax(logits / T), and with top_p < 1 that restricted to the
-nucleus and renormalised. That is the behaviour distribution truncated importance sampling divides
-by, and all vLLM reports after temperature (its processed logprobs); both engines report it. The
-trainer's old logprobs stay the full softmax (the policy it trains); engine_logprob_diff compares
-the engine with the trainer's logprobs renormalised over the same nucleus (logprobs.nucleus_logprobs).
+Token-in/token-out: the sampled ids are kept exactly, so the trainer scores the very tokens that
+were sampled (decode -> re-encode is lossy). Logprobs are those of the distribution sampled from:
+softmax(logits / T), with top_p < 1 restricted to the nucleus and renormalised. That is the
+behaviour distribution truncated importance sampling divides by, and all vLLM reports after
+temperature (its processed logprobs); both engines report it. The trainer's old logprobs stay the
+full softmax (the policy it trains); engine_logprob_diff compares the engine with the trainer's
+logprobs renormalised over the same nucleus (logprobs.nucleus_logprobs).
 """
 
 import gc
@@ -42,7 +40,8 @@ from nanoagent.tools import CALL_END
 @dataclass
 class Generation:
     token_ids: list      # sampled ids, in order, including the stop token when one was hit
-    logprobs: list       # logprob of each sampled id under the sampling distribution (top_p < 1: renormalised over the nucleus)
+    logprobs: list       # logprob of each sampled id under the sampling distribution
+                         # (top_p < 1: renormalised over the nucleus)
     finish_reason: str   # "stop": hit EOS or a stop token; "length": hit the token budget
 
 
@@ -127,14 +126,16 @@ def cpu_kv_cache_bytes(model_path, dtype, max_model_len, cap=2**30):
 
 
 class VLLMEngine:
-    continuous_batching = True  # a request may join while others are decoding (run_agent schedules each trajectory on its own)
+    # a request may join while others are decoding (run_agent schedules each trajectory on its own)
+    continuous_batching = True
 
     def __init__(self, model_path, stop_ids, max_model_len, dtype="bfloat16", gpu_memory_utilization=0.5,
                  tensor_parallel_size=1, seed=0, compile=True, stop_strings=()):
         # In-process engine core: the weights must be reachable from this process for reloads.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the program's own (chat.py --question | ...)
+        # stdout is the program's own (chat.py --question | ...)
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
         from vllm import LLM
         # vLLM's start-up runs gc.collect() several times, each a full pass over every object of the
         # modules loaded so far (~0.2 s each on a CPU). Those live as long as the process: collect what
@@ -175,15 +176,17 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
-        # ignore_eos: stop on exactly self.stop_ids (the tokenizer's EOS among them), as HFEngine does. vLLM would
-        # also stop on the eos ids of the model's generation_config.json (Qwen2.5-Instruct: <|endoftext|> too),
-        # which the chat template never closes a turn with; generation_config="vllm" does not drop them.
-        # Stop strings need the text: vLLM then detokenises as it samples, and keeps every sampled id.
+        # ignore_eos: stop on exactly self.stop_ids (the tokenizer's EOS among them), as HFEngine does.
+        # vLLM would also stop on the eos ids of the model's generation_config.json (Qwen2.5-Instruct:
+        # <|endoftext|> too), which the chat template never closes a turn with; generation_config="vllm"
+        # does not drop them. Stop strings need the text: vLLM then detokenises as it samples, and keeps
+        # every sampled id.
         params = SamplingParams(
             max_tokens=max_new_tokens, temperature=0.0 if sampling.greedy else sampling.temperature,
-            top_p=1.0 if sampling.greedy else sampling.top_p, stop_token_ids=self.stop_ids, ignore_eos=True, seed=seed,
-            stop=self.stop_strings, include_stop_str_in_output=True, detokenize=bool(self.stop_strings), logprobs=0,
-            skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY)
+            top_p=1.0 if sampling.greedy else sampling.top_p, stop_token_ids=self.stop_ids, ignore_eos=True,
+            seed=seed, stop=self.stop_strings, include_stop_str_in_output=True,
+            detokenize=bool(self.stop_strings), logprobs=0, skip_special_tokens=False,
+            output_kind=RequestOutputKind.FINAL_ONLY)
         self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), params)
 
     def step(self):
@@ -194,8 +197,9 @@ class VLLMEngine:
             if out.finished:
                 sample = out.outputs[0]
                 ids = list(sample.token_ids)
-                done.append((out.request_id, Generation(ids, [lp[i].logprob for lp, i in zip(sample.logprobs, ids)],
-                                                        "length" if sample.finish_reason == "length" else "stop")))
+                done.append((out.request_id,
+                             Generation(ids, [lp[i].logprob for lp, i in zip(sample.logprobs, ids)],
+                                        "length" if sample.finish_reason == "length" else "stop")))
         return done
 
     def generate(self, prompts, sampling, max_new_tokens=None, seeds=None):
@@ -233,12 +237,14 @@ class HFEngine:
     """Our own decode loop over a transformers causal LM with a KV cache, batched with left padding.
     Holds its own copy of the weights, which sleep() moves to the CPU while the trainer updates."""
 
-    continuous_batching = False  # one generate call per step: run_agent gathers a turn's requests before stepping
+    # one generate call per step: run_agent gathers a turn's requests before stepping
+    continuous_batching = False
 
     def __init__(self, model_path, stop_ids, pad_id, dtype="bfloat16", device=None, seed=0, stop_strings=(),
                  tokenizer=None):
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device).eval()
+        self.model = (AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+                      .to(self.device).eval())
         self.stop_ids, self.stop_strings = list(stop_ids), list(stop_strings)
         self.tokenizer = tokenizer  # decodes the tail of each row for the stop strings
         self.pad_id = pad_id
@@ -252,24 +258,25 @@ class HFEngine:
     def step(self):
         """Generate every queued request together (they share the first one's sampling settings
         and seed, see generate); returns [(request_id, Generation)] of all of them."""
-        batch, self.queued = sorted(self.queued, key=lambda r: r[0]), []  # by id: the batch does not depend on arrival order
+        # by id: the batch does not depend on arrival order
+        batch, self.queued = sorted(self.queued, key=lambda r: r[0]), []
         if not batch:
             return []
         _, prompts, samplings, budgets, seeds = zip(*batch)
-        gens = self.generate(list(prompts), samplings[0], list(budgets), None if seeds[0] is None else list(seeds))
+        gens = self.generate(list(prompts), samplings[0], list(budgets),
+                             None if seeds[0] is None else list(seeds))
         return [(request_id, gen) for (request_id, *_), gen in zip(batch, gens)]
 
     @torch.no_grad()
     def generate(self, prompts, sampling, max_new_tokens=None, seeds=None):
         """
         As VLLMEngine.generate. Each step samples from softmax(logits / T), restricted to the top_p
-        nucleus (logprobs.nucleus_mask, vLLM's rule) and renormalised when top_p < 1 (greedy: the argmax),
-        and keeps the chosen token's logprob under that distribution in fp32 (greedy: softmax of the
-        raw logits), as vLLM reports it. The model's generation_config (repetition penalty, top_k,
-        eos ids, ...) plays no part. One generator
-        samples the whole batch: seeded by seeds[0] when seeds are given, else by the engine's
-        counter (seed, seed + 1, ... one per call); so, unlike vLLM's per-row seeds, a row's
-        sample depends on the batch it is in.
+        nucleus (logprobs.nucleus_mask, vLLM's rule) and renormalised when top_p < 1 (greedy: the
+        argmax), and keeps the chosen token's logprob under that distribution in fp32 (greedy: softmax
+        of the raw logits), as vLLM reports it. The model's generation_config (repetition penalty,
+        top_k, eos ids, ...) plays no part. One generator samples the whole batch: seeded by seeds[0]
+        when seeds are given, else by the engine's counter (seed, seed + 1, ... one per call); so,
+        unlike vLLM's per-row seeds, a row's sample depends on the batch it is in.
         """
         budgets = max_new_tokens or [sampling.max_new_tokens] * len(prompts)
         temperature = 1.0 if sampling.greedy else sampling.temperature
@@ -286,10 +293,11 @@ class HFEngine:
             input_ids[i, width - len(p):] = torch.tensor(p)
             attention_mask[i, width - len(p):] = 1
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)  # [B, W]
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, W]: each row counts from its first token
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, W]: from each row's first token
         rows = [[] for _ in prompts]    # each row's sampled ids, up to where it stopped
         finish = [None] * len(prompts)  # and why it stopped
-        tail = max(map(len, self.stop_strings), default=0) + 1  # the most tokens a stop string's characters span
+        # the most tokens a stop string's characters span
+        tail = max(map(len, self.stop_strings), default=0) + 1
         cache, new_logprobs = None, []                                # per step: [B]
         for step in range(max(budgets)):
             # The model makes a DynamicCache on the first call (the prompts); each later call feeds
@@ -298,8 +306,10 @@ class HFEngine:
                              past_key_values=cache, use_cache=True, logits_to_keep=1)
             cache = out.past_key_values
             logprobs = torch.log_softmax(out.logits[:, -1].float() / temperature, -1)   # [B, V]
-            if not sampling.greedy and sampling.top_p < 1.0:  # the nucleus, renormalised: the distribution sampled from
-                logprobs = torch.log_softmax(logprobs.masked_fill(~nucleus_mask(logprobs.exp(), sampling.top_p), -torch.inf), -1)
+            # the nucleus, renormalised: the distribution sampled from
+            if not sampling.greedy and sampling.top_p < 1.0:
+                logprobs = torch.log_softmax(
+                    logprobs.masked_fill(~nucleus_mask(logprobs.exp(), sampling.top_p), -torch.inf), -1)
             if sampling.greedy:
                 next_ids = logprobs.argmax(-1)                                          # [B]
             else:
@@ -338,7 +348,7 @@ class HFEngine:
         self.model.to("cpu")
 
     def wake(self, tags=None):
-        """Weights back on the device when tags is None or names "weights"; ["kv_cache"] alone has nothing to do."""
+        """Weights back on the device when tags is None or names "weights" (no KV cache outside generate)."""
         if tags is None or "weights" in tags:
             self.model.to(self.device)
 
@@ -354,8 +364,8 @@ def make_engine(kind, model_path, tokenizer, max_model_len, dtype="bfloat16", gp
     if kind == "vllm":
         if not has_vllm:
             raise RuntimeError("rollout.engine=vllm but vLLM is not installed here; use rollout.engine=hf")
-        return VLLMEngine(model_path, stop_ids, max_model_len, dtype, gpu_memory_utilization, tensor_parallel_size,
-                          seed, compile, strings)
+        return VLLMEngine(model_path, stop_ids, max_model_len, dtype, gpu_memory_utilization,
+                          tensor_parallel_size, seed, compile, strings)
     if kind == "hf":
         return HFEngine(model_path, stop_ids, pad_token_id(tokenizer), dtype, seed=seed, stop_strings=strings,
                         tokenizer=tokenizer)

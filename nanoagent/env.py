@@ -13,30 +13,27 @@ AgentEnv, gym's reset/step):
         reward       a float for this step, put on the last token of the turn (like a process
                      reward); the task's score gives the outcome
         done         True when the episode is over (a tool task: the model answered without a call)
-        info         a dict; its "tool_calls" are kept on the trajectory (reward.py, metrics); "read_to_end":
-                     False when the environment acted on a part of the action and did not read its end
-                     (a game reads the first line): a turn cut by the token budget after that part was
-                     judged whole (agent.py: it ends as "done", not "truncated")
+        info         a dict; its "tool_calls" are kept on the trajectory (reward.py, metrics);
+                     "read_to_end": False when the environment acted on a part of the action and
+                     did not read its end (a game reads the first line): a turn cut by the token
+                     budget after that part was judged whole (agent.py: it ends as "done", not
+                     "truncated")
 
 Tool calling is one such environment (tools.ToolCalling, made by tool_env below), a game another
-(tasks/textworld.py); the agent loop (agent.py) drives them all the same way. A step runs in a
-thread of its own while the engine keeps decoding other trajectories (ChatEnv.start). A step that
-raises, returns something that is not the above (a NaN reward, say) or does not return within
-rollout.step_timeout_s ends its own trajectory ("env_error", with the reason) and no other.
+(tasks/textworld.py). A step runs in a thread of its own while the engine keeps decoding other
+trajectories (ChatEnv.start); a step that raises, returns something that is not the above (a NaN
+reward, say) or outlasts rollout.step_timeout_s ends its own trajectory ("env_error") and no other.
 
-ChatEnv is the side that is the same for every environment: it makes one per trajectory, runs
-their steps, and turns conversations into token ids with the tokenizer's chat template:
-observations as the suffix the template adds after the assistant's content (observation_ids), or
-with context=last_k each turn's prompt rendered afresh (step_prompt_ids), each observation cut to a
-token budget (truncate).
+ChatEnv is the side every environment shares: it makes one per trajectory, runs their steps, and
+turns conversations into ids with the tokenizer's chat template (observation_ids; with
+context=last_k, step_prompt_ids), each observation cut to a token budget (truncate).
 
 Environment text is text, never conversation structure: a search result or a game's text holding
 "<|im_end|>" must not close its turn for the model. So the template is rendered with a marker in
-place of the content of every message that is not the system's or the assistant's, and the ids
-are assembled as the tokenizer would make them (it cuts text at special tokens and encodes each
-stretch between them on its own), except that special-token strings inside that content stay
-ordinary text (encode_rendered). Everything that encodes such text goes through it: prompts,
-observations, and the budget count of truncation.
+place of the content of every message that is not the system's or the assistant's, and the ids are
+assembled as the tokenizer would make them (cut at special tokens, each stretch between them
+encoded on its own), except that special-token strings inside that content stay ordinary text
+(encode_rendered). Prompts, observations and truncation's token count all go through it.
 """
 
 import functools
@@ -49,8 +46,8 @@ from nanoagent.config import ConfigError
 from nanoagent.tools import CALL_END, ToolCalling, ToolRunner, hermes_messages
 
 TRUNCATION_MARK = "\n[truncated]"
-TEXT_MARKER = "\x00environment text\x00"  # rendered in place of environment text, then split on (encode_rendered)
-TEXT_ROLES = ("system", "assistant")      # the roles whose content is rendered as is; every other role's is text
+TEXT_MARKER = "\x00environment text\x00"  # in place of environment text, then split on (encode_rendered)
+TEXT_ROLES = ("system", "assistant")      # the roles whose content is rendered as is; any other's is text
 
 
 class ChatEnv:
@@ -68,17 +65,18 @@ class ChatEnv:
     def __init__(self, make, tokenizer, schemas=(), max_obs_tokens=512, context="full", keep_turns=2,
                  step_timeout_s=120.0, tool_format="auto"):
         if context not in ("full", "last_k") or keep_turns < 1:
-            raise ValueError(f"context={context!r}, keep_turns={keep_turns}: context is full or last_k, keep_turns >= 1")
+            raise ValueError(f"context={context!r}, keep_turns={keep_turns}: "
+                             "context is full or last_k, keep_turns >= 1")
         self.make = make
         self.tokenizer = tokenizer
         self.schemas = list(schemas)
         # no template at all: check() refuses it
         shows_tools = not self.schemas or not tokenizer.chat_template or template_shows_tools(tokenizer)
         if tool_format == "template" and not shows_tools:
-            raise ConfigError("rollout.tool_format=template, but the model's chat template ignores tools= (it "
-                              "renders the same text with and without them): the model would never see its "
-                              "tools. Use rollout.tool_format=hermes (or auto), nanoagent's fallback tool format "
-                              "(README: Models and chat templates)")
+            raise ConfigError("rollout.tool_format=template, but the model's chat template ignores tools= "
+                              "(it renders the same text with and without them): the model would never see "
+                              "its tools. Use rollout.tool_format=hermes (or auto), nanoagent's fallback "
+                              "tool format (README: Models and chat templates)")
         self.hermes = bool(self.schemas) and (tool_format == "hermes" or not shows_tools)
         self.max_obs_tokens = max_obs_tokens
         self.context = context
@@ -108,26 +106,28 @@ class ChatEnv:
     def expire(self, future):
         """Fail a step that ran past step_timeout_s. Its thread is abandoned, not stopped (a Python thread
         cannot be killed); whatever it returns later is dropped."""
-        settle(future, StepError(f"the step did not return within {self.step_timeout_s:g}s (rollout.step_timeout_s)"))
+        settle(future, StepError(f"the step did not return within {self.step_timeout_s:g}s "
+                                 "(rollout.step_timeout_s)"))
 
     def truncate(self, text, role="tool"):
         """
         Cut an observation so that it costs at most max_obs_tokens tokens in its place in the
         conversation (a message of `role`), the truncation mark included (observation_tokens). The
-        cut falls where one of the text's tokens begins, which is always between two characters
-        (the tokens of a character made of several share its start), so no character is split and
-        no U+FFFD appears. One encode of the text with offsets finds those places; the longest
-        prefix that fits is found by trying them from about the budget down, a few encodes of about
-        the budget's length.
+        cut falls where one of the text's tokens begins, always between two characters (the tokens
+        of a character made of several share its start): no character is split, no U+FFFD appears.
+        The longest prefix that fits is found by trying those places from about the budget down: a
+        few encodes of about the budget's length, not one per place.
         """
         if self.observation_tokens(text, role) <= self.max_obs_tokens:
             return text
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=True)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True,
+                             split_special_tokens=True)
         starts = sorted({s for s, _ in enc["offset_mapping"] if 0 < s < len(text)})
         for n in reversed(starts[:self.max_obs_tokens]):  # text[:starts[k]] holds about k + 1 tokens
             if self.observation_tokens(text[:n] + TRUNCATION_MARK, role) <= self.max_obs_tokens:
                 return text[:n] + TRUNCATION_MARK
-        return TRUNCATION_MARK if self.observation_tokens(TRUNCATION_MARK, role) <= self.max_obs_tokens else ""
+        return (TRUNCATION_MARK if self.observation_tokens(TRUNCATION_MARK, role) <= self.max_obs_tokens
+                else "")
 
     def observation_tokens(self, text, role="tool"):
         """
@@ -146,7 +146,8 @@ class ChatEnv:
             return self.frames[role]
         framed = self.render([{"role": "user", "content": "?"}, {"role": "assistant", "content": "?"},
                               {"role": role, "content": TEXT_MARKER}], add_generation_prompt=True)
-        if framed.count(TEXT_MARKER) != 1:  # e.g. "?" of the user message, were it environment text: it is not marked here
+        # e.g. "?" of the user message, were it environment text: it is not marked here
+        if framed.count(TEXT_MARKER) != 1:
             raise ValueError(f"the chat template does not render a {role!r} message's content verbatim")
         self.frames[role] = framed, len(self.encode_rendered(framed, [""]))
         return self.frames[role]
@@ -155,9 +156,11 @@ class ChatEnv:
     def _special_tokens(self):
         """A regex of the tokenizer's special tokens, longest first (where two start at one place the
         tokenizer takes the longer), in a group so that re.split keeps them."""
-        specials = sorted((t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special), key=len, reverse=True)
+        specials = sorted((t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special),
+                          key=len, reverse=True)
         if not specials:
-            raise ValueError("the tokenizer has no special tokens; a chat template needs at least its end-of-turn token")
+            raise ValueError("the tokenizer has no special tokens; "
+                             "a chat template needs at least its end-of-turn token")
         return re.compile("(" + "|".join(map(re.escape, specials)) + ")")
 
     def encode_rendered(self, text, texts):
@@ -171,8 +174,8 @@ class ChatEnv:
         """
         pieces = text.split(TEXT_MARKER)
         if len(pieces) != len(texts) + 1:
-            raise ValueError(f"the chat template rendered {len(pieces) - 1} of {len(texts)} messages verbatim; "
-                             "nanoagent needs a template that renders message content as it is")
+            raise ValueError(f"the chat template rendered {len(pieces) - 1} of {len(texts)} messages "
+                             "verbatim; nanoagent needs a template that renders message content as it is")
         stretches, specials = [""], []  # text between the template's special tokens, and those tokens
         for k, piece in enumerate(pieces):
             parts = self._special_tokens.split(piece)  # text, special, text, ..., text
@@ -208,7 +211,8 @@ class ChatEnv:
                               "calls and observations with it: use a chat (instruct) model, or set "
                               "tokenizer.chat_template")
         if tok.eos_token_id is None:
-            raise ConfigError("the model's tokenizer has no EOS token: a turn that calls no tool could never end")
+            raise ConfigError("the model's tokenizer has no EOS token: "
+                              "a turn that calls no tool could never end")
         written = tok.decode(tok.encode(CALL_END, add_special_tokens=False))
         if written != CALL_END:
             raise ConfigError(f"the model's tokenizer cannot write {CALL_END!r} (it decodes to {written!r}): "
@@ -241,7 +245,8 @@ class ChatEnv:
         encode the same."""
         texts = [self.render(m, add_generation_prompt=True) for m in conversations]
         lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
-        return [len(self.prompt_ids(m)) if any(x["role"] not in TEXT_ROLES and self._special_tokens.search(x["content"]) for x in m)
+        return [len(self.prompt_ids(m))
+                if any(x["role"] not in TEXT_ROLES and self._special_tokens.search(x["content"]) for x in m)
                 else n for m, n in zip(conversations, lengths)]
 
     def observation_ids(self, messages, content, observation, ended_with_eos=False):
@@ -256,9 +261,10 @@ class ChatEnv:
         before = self.render(messages, add_generation_prompt=True)
         with_turn = self.render(messages + [{"role": "assistant", "content": content}])
         if not with_turn.startswith(before + content):
-            raise ValueError("the chat template does not render assistant content verbatim after the generation "
-                             "prompt; token-in/token-out trajectories need a template that does")
-        after = self.render(messages + [{"role": "assistant", "content": content}] + marked(observation), add_generation_prompt=True)
+            raise ValueError("the chat template does not render assistant content verbatim after the "
+                             "generation prompt; token-in/token-out trajectories need a template that does")
+        after = self.render(messages + [{"role": "assistant", "content": content}] + marked(observation),
+                            add_generation_prompt=True)
         if not after.startswith(with_turn):
             raise ValueError("the chat template re-renders earlier turns when observation messages are added")
         text = with_turn[len(before + content):] + after[len(with_turn):]
@@ -305,8 +311,10 @@ def checked_step(result):
     if isinstance(observation, str):
         observation = [{"role": "user", "content": observation}]
     if not isinstance(observation, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                    and isinstance(m.get("content"), str) for m in observation):
-        raise TypeError("step's observation is neither a string nor a list of {'role': str, 'content': str} messages")
+                                                    and isinstance(m.get("content"), str)
+                                                    for m in observation):
+        raise TypeError("step's observation is neither a string nor a list of "
+                        "{'role': str, 'content': str} messages")
     if not isinstance(reward, (int, float)) or not math.isfinite(reward):
         raise ValueError(f"step's reward {reward!r} is not a finite number")
     if not isinstance(info, dict):
@@ -323,7 +331,8 @@ def template_shows_tools(tokenizer):
     """Whether the chat template renders a tools= list (one without tool support ignores it)."""
     probe = {"type": "function", "function": {"name": "nanoagent_probe_tool", "description": "",
                                               "parameters": {"type": "object", "properties": {}}}}
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "?"}], tools=[probe], tokenize=False)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "?"}], tools=[probe],
+                                             tokenize=False)
     return "nanoagent_probe_tool" in rendered
 
 
@@ -332,5 +341,5 @@ def tool_env(tools, tokenizer, max_obs_tokens=512, timeout_s=10.0, context="full
     """The ChatEnv of a tool task: a ToolCalling environment per trajectory over one ToolRunner,
     which runs the calls of every trajectory (batched where they wait together) under time limits."""
     runner = ToolRunner(tools, timeout_s, workers, max_abandoned)
-    return ChatEnv(lambda: ToolCalling(runner), tokenizer, runner.schemas(), max_obs_tokens, context, keep_turns,
-                   step_timeout_s, tool_format)
+    return ChatEnv(lambda: ToolCalling(runner), tokenizer, runner.schemas(), max_obs_tokens, context,
+                   keep_turns, step_timeout_s, tool_format)

@@ -73,8 +73,8 @@ def passage_text(p):
 
 def encode(encoder, texts, normalize=True, batch_size=256):
     """[n, dim] float32 embeddings."""
-    emb = encoder.encode(list(texts), batch_size=batch_size, normalize_embeddings=normalize, convert_to_numpy=True,
-                         show_progress_bar=False)
+    emb = encoder.encode(list(texts), batch_size=batch_size, normalize_embeddings=normalize,
+                         convert_to_numpy=True, show_progress_bar=False)
     return np.ascontiguousarray(emb, dtype=np.float32)
 
 
@@ -111,8 +111,8 @@ def corpus_is_file(source):
     if os.path.exists(source):
         return True
     if source.endswith((".jsonl", ".json")) or source.count("/") != 1:
-        raise FileNotFoundError(f"corpus {source!r} does not exist (a JSONL of {{id, title, text}}, or a hub dataset "
-                                "id such as BeIR/hotpotqa)")
+        raise FileNotFoundError(f"corpus {source!r} does not exist (a JSONL of {{id, title, text}}, "
+                                "or a hub dataset id such as BeIR/hotpotqa)")
     return False
 
 
@@ -166,7 +166,8 @@ def write_docstore(passages, index_dir, progress=None):
     ends = [0]
     with open(docs + ".tmp", "wb") as f:
         for p in passages:
-            f.write((json.dumps({"id": p["id"], "title": p["title"], "text": p["text"]}, ensure_ascii=False) + "\n").encode())
+            f.write((json.dumps({"id": p["id"], "title": p["title"], "text": p["text"]}, ensure_ascii=False)
+                     + "\n").encode())
             ends.append(f.tell())
             if progress is not None:
                 progress.update(1)
@@ -203,15 +204,17 @@ def read_meta(index_dir):
     path = os.path.join(index_dir, META)
     if not os.path.exists(path):
         if os.path.exists(os.path.join(index_dir, BUILD)):
-            raise FileNotFoundError(f"the index build in {index_dir} did not finish ({META} is missing); run build_index.py "
-                                    "again with the same options to resume it")
+            raise FileNotFoundError(f"the index build in {index_dir} did not finish ({META} is missing); "
+                                    "run build_index.py again with the same options to resume it")
         raise FileNotFoundError(f"no search index at {index_dir} ({path} is missing); build one with "
-                                f"`python build_index.py --corpus=CORPUS.jsonl --out={index_dir} --encoder=ENCODER`")
+                                f"`python build_index.py --corpus=CORPUS.jsonl --out={index_dir} "
+                                "--encoder=ENCODER`")
     with open(path) as f:
         meta = json.load(f)
     if "index_file" not in meta:
-        raise ValueError(f"{path} names no index file: {index_dir} was built by an older build_index.py; build it again "
-                         "with build_index.py (the same options; it starts from scratch, as that build did not record its corpus)")
+        raise ValueError(f"{path} names no index file: {index_dir} was built by an older build_index.py; "
+                         "build it again with build_index.py (the same options; it starts from scratch, "
+                         "as that build did not record its corpus)")
     return meta
 
 
@@ -220,15 +223,17 @@ def check_encoder(encoder, meta, index_dir, name=None):
     probe = encode(encoder, [meta["query_prefix"] + PROBE], normalize=True)[0]
     dim = len(probe)
     built = f"{index_dir} was built with the encoder {meta['encoder']!r}"
-    fix = (f"Search it with that encoder, or rebuild the index for this one: python build_index.py --corpus={os.path.join(index_dir, DOCS)} "
+    fix = (f"Search it with that encoder, or rebuild the index for this one: "
+           f"python build_index.py --corpus={os.path.join(index_dir, DOCS)} "
            f"--out=NEW_DIR --encoder={name or 'ENCODER'}")
     if dim != meta["dim"]:
-        raise ValueError(f"{built} ({meta['dim']}-dim embeddings), but the encoder given{f' ({name})' if name else ''} "
-                         f"makes {dim}-dim embeddings. {fix}")
+        raise ValueError(f"{built} ({meta['dim']}-dim embeddings), but the encoder "
+                         f"given{f' ({name})' if name else ''} makes {dim}-dim embeddings. {fix}")
     cosine = float(probe @ np.asarray(meta["probe"], dtype=np.float32))
     if cosine < PROBE_MIN_COSINE:
-        raise ValueError(f"{built}, and the encoder given{f' ({name})' if name else ''} embeds differently (cosine "
-                         f"{cosine:.3f} with the recorded probe embedding, need >= {PROBE_MIN_COSINE}). {fix}")
+        raise ValueError(f"{built}, and the encoder given{f' ({name})' if name else ''} embeds differently "
+                         f"(cosine {cosine:.3f} with the recorded probe embedding, "
+                         f"need >= {PROBE_MIN_COSINE}). {fix}")
 
 
 class IndexRetriever:
@@ -247,33 +252,36 @@ class IndexRetriever:
             try:
                 encoder = load_encoder(name, device)
             except OSError as e:
-                raise OSError(f"cannot load the encoder {name!r} of the index {index_dir} ({e}); pass the same model "
-                              "from where it is on this machine (rollout.py --encoder, or IndexRetriever(encoder=...))") from None
+                raise OSError(f"cannot load the encoder {name!r} of the index {index_dir} ({e}); "
+                              "pass the same model from where it is on this machine "
+                              "(rollout.py --encoder, or IndexRetriever(encoder=...))") from None
         check_encoder(encoder, meta, index_dir, name)
         self.encoder = encoder
         # memory-mapped: IVF's inverted lists, or the vectors of flat and HNSW indexes
         mmap = faiss.IO_FLAG_MMAP if meta["index_type"] == "ivf" else faiss.IO_FLAG_MMAP_IFC
         path = os.path.join(index_dir, meta["index_file"])
         if not os.path.exists(path):
-            raise FileNotFoundError(f"the {META} of {index_dir} names {meta['index_file']}, which is missing (copied in part, or "
-                                    "changed by hand?); copy the whole folder, or run build_index.py again with the same "
-                                    "options: it reuses the embeddings")
+            raise FileNotFoundError(f"the {META} of {index_dir} names {meta['index_file']}, which is missing "
+                                    "(copied in part, or changed by hand?); copy the whole folder, or run "
+                                    "build_index.py again with the same options: it reuses the embeddings")
         self.index = faiss.read_index(path, mmap | faiss.IO_FLAG_READ_ONLY)
         if meta["index_type"] == "ivf":
             self.index.nprobe = meta["nprobe"]
         elif meta["index_type"] == "hnsw":
             self.index.hnsw.efSearch = meta["ef_search"]
         self.docs = DocStore(index_dir)
-        if len(self.docs) != self.index.ntotal or self.index.ntotal != meta["count"] or self.index.d != meta["dim"]:
-            raise ValueError(f"{index_dir} is inconsistent: {meta['count']} passages of {meta['dim']} dims in {META}, "
-                             f"{self.index.ntotal} of {self.index.d} in {meta['index_file']}, {len(self.docs)} in {DOCS}; "
-                             "run build_index.py again with the same options")
+        if (len(self.docs) != self.index.ntotal or self.index.ntotal != meta["count"]
+                or self.index.d != meta["dim"]):
+            raise ValueError(f"{index_dir} is inconsistent: {meta['count']} passages of {meta['dim']} dims "
+                             f"in {META}, {self.index.ntotal} of {self.index.d} in {meta['index_file']}, "
+                             f"{len(self.docs)} in {DOCS}; run build_index.py again with the same options")
 
     def search(self, queries, k):
         """queries: list of str -> for each, the top-k passages (dicts with id, title, text, score)."""
         if not queries:
             return []
-        q = encode(self.encoder, [self.meta["query_prefix"] + query for query in queries], self.meta["normalize"])
+        q = encode(self.encoder, [self.meta["query_prefix"] + query for query in queries],
+                   self.meta["normalize"])
         scores, ids = self.index.search(q, min(k, self.index.ntotal))
         return [[{**self.docs[int(i)], "score": float(s)} for s, i in zip(row_s, row_i) if i >= 0]
                 for row_s, row_i in zip(scores, ids)]

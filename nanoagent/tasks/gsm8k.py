@@ -7,10 +7,10 @@ One prompt row per problem: `id` (GSM8K's split and position, e.g. "test-17"), `
 `answers` (the gold: the number after `####` in GSM8K's solution, commas removed, "1,200" ->
 "1200"), `solution` (GSM8K's solution text, whose `<<48/2=24>>` annotations the demonstrations turn
 into calculator calls) and `messages` (system + user). prepare() reads `openai/gsm8k` (config
-"main") from the hub through the datasets library, or from a folder with GSM8K's original JSONL
-files (train.jsonl and test.jsonl, one {"question", "answer"} a line), which is what tests use:
-OUT/train.parquet is sampled from the train split, OUT/val.parquet from the test split (by default
-all 1319 problems, the test set GSM8K figures are reported on).
+"main") from the hub (the datasets library), or a folder with GSM8K's train.jsonl and test.jsonl
+(one {"question", "answer"} a line; what tests use): OUT/train.parquet is sampled from the train
+split, OUT/val.parquet from the test split (by default all 1319 problems, the test set GSM8K
+figures are reported on).
 
 The reward is Agent-R1 v0's for this example (github.com/0russwest0/Agent-R1, now the `legacy`
 branch of AgentR1/Agent-R1: compute_score_format_answer in verl/utils/reward_score/gsm8k.py, commit
@@ -63,7 +63,8 @@ GOLD_RE = re.compile(r"-?\d+(?:\.\d+)?")
 # ("5-3" holds 5 and 3, not -3), a decimal point only between digits ("72." is 72 and a full stop).
 NUMBER_RE = re.compile(r"(?<!\d)-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 ANNOTATION_RE = re.compile(r"<<(.*?)>>")
-TURN_RE = re.compile(r"\s*(?:<think>.*</think>\s*)?<(tool_call|answer)>.*</\1>\s*", re.DOTALL)  # with turn_kind's tag checks
+# a turn's shape, used with turn_kind's tag checks
+TURN_RE = re.compile(r"\s*(?:<think>.*</think>\s*)?<(tool_call|answer)>.*</\1>\s*", re.DOTALL)
 
 
 def gold_answer(solution, where):
@@ -78,11 +79,14 @@ def gold_answer(solution, where):
 
 def gsm8k_row(record, split, index, where):
     """A prompt row from one GSM8K record ({"question", "answer"}); `where` names it in errors."""
-    if not isinstance(record, dict) or not isinstance(record.get("question"), str) or not isinstance(record.get("answer"), str):
-        raise ValueError(f"{where}: expected a JSON object with string fields question and answer (GSM8K's format)")
-    return {"id": f"{split}-{index}", "question": record["question"], "answers": [gold_answer(record["answer"], where)],
-            "solution": record["answer"],
-            "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": QUESTION.format(record["question"])}]}
+    if (not isinstance(record, dict) or not isinstance(record.get("question"), str)
+            or not isinstance(record.get("answer"), str)):
+        raise ValueError(f"{where}: expected a JSON object with string fields question and answer "
+                         "(GSM8K's format)")
+    return {"id": f"{split}-{index}", "question": record["question"],
+            "answers": [gold_answer(record["answer"], where)], "solution": record["answer"],
+            "messages": [{"role": "system", "content": SYSTEM_PROMPT},
+                         {"role": "user", "content": QUESTION.format(record["question"])}]}
 
 
 def load_gsm8k(split, source=None):
@@ -93,12 +97,13 @@ def load_gsm8k(split, source=None):
     """
     name = SPLITS[split]
     if source is None:
-        from datasets import load_dataset  # here, not at the top: importing datasets takes seconds, and only this path needs it
+        # here, not at the top: importing datasets takes seconds, and only this path needs it
+        from datasets import load_dataset
         records = load_dataset(*HUB_DATASET, split=name)
         return [gsm8k_row(r, name, i, f"{HUB_DATASET[0]} {name} row {i}") for i, r in enumerate(records)]
     if not os.path.isdir(source):
-        raise FileNotFoundError(f"GSM8K source {source!r} is not a folder; pass the folder that holds train.jsonl and "
-                                "test.jsonl, or leave --source out to use the hub")
+        raise FileNotFoundError(f"GSM8K source {source!r} is not a folder; pass the folder that holds "
+                                "train.jsonl and test.jsonl, or leave --source out to use the hub")
     path = os.path.join(source, f"{name}.jsonl")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{source} has no {name}.jsonl; expected GSM8K's train.jsonl and test.jsonl")
@@ -111,7 +116,8 @@ def load_gsm8k(split, source=None):
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not JSON ({e}); expected one {{question, answer}} object a line") from None
+                raise ValueError(f"{where}: not JSON ({e}); "
+                                 "expected one {question, answer} object a line") from None
             rows.append(gsm8k_row(record, name, len(rows), where))
     return rows
 
@@ -121,7 +127,8 @@ def tools(cfg):
 
 
 def prompts(cfg, split):
-    return load_prompts(cfg.data.train_path if split == "train" else cfg.data.val_path, bad_prompts=cfg.data.bad_prompts)
+    return load_prompts(cfg.data.train_path if split == "train" else cfg.data.val_path,
+                        bad_prompts=cfg.data.bad_prompts)
 
 
 def same_number(prediction, gold):
@@ -137,7 +144,8 @@ def turn_kind(text, require_think=False):
     require_think), with only whitespace around the tags; None when it is anything else.
     """
     opened = [name for closing, name in TAG_RE.findall(text) if not closing]
-    if not tags_well_formed(text) or opened not in (["tool_call"], ["answer"], ["think", "tool_call"], ["think", "answer"]):
+    if not tags_well_formed(text) or opened not in (["tool_call"], ["answer"], ["think", "tool_call"],
+                                                    ["think", "answer"]):
         return None
     if (require_think and opened[0] != "think") or not TURN_RE.fullmatch(text):
         return None
@@ -174,15 +182,16 @@ def demonstration(row, rng):
     of the solution is a calculator call, one turn each, in order, then `<answer>gold</answer>`. An
     annotation the calculator refuses or fails on (GSM8K's files have none, but a hand-made one
     might: "2^3", "$5*2", "5/0") is left out, so every call runs; a solution without annotations is
-    answered directly.
-    The turns have no <think>: imitate them with reward.require_think=false. Deterministic (rng unused).
+    answered directly. The turns have no <think>: imitate them with reward.require_think=false.
+    Deterministic (rng unused).
     """
     turns = []
     for annotation in ANNOTATION_RE.findall(row["solution"]):
         expression = annotation.rsplit("=", 1)[0].strip()
         try:
             calculate(expression)
-        except Exception:  # refused (ValueError) or failed ("5/0": ZeroDivisionError): the environment would fail the call too
+        except Exception:
+            # refused (ValueError) or failed ("5/0": ZeroDivisionError): the environment would fail it too
             continue
         call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
         turns.append(f"<tool_call>\n{call}\n</tool_call>")

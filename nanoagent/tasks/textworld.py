@@ -19,32 +19,26 @@ that, head north. Then, pick-up the coin..."), as TextWorld's games do by defaul
 Reward: on each turn's last token, the progress the step made along the quest: how much shorter
 the game's own plan from here to the goal became (TextWorld recomputes it after every move), as a
 fraction of the plan at the start. A step towards the goal earns 1/len(walkthrough), a step away
-costs as much, a step that changes nothing earns 0; over a game they add up to the fraction of the
-way done (potential-based shaping, Ng et al. 1999: it does not change which policies are best). The
-game's own points would not do: these games give theirs only when the quest is done. And the
-outcome, 1 for a game won, 0 otherwise. The scores logged are won, progress (the fraction of the
-way done), score (the fraction of max_score reached) and moves (commands sent), overall and per
-split (eval/easy/won, ...).
+costs as much; over a game they add up to the fraction of the way done (potential-based shaping,
+Ng et al. 1999: it does not change which policies are best). The game's own points would not do:
+these games give theirs only when the quest is done. And the outcome, 1 for a game won, 0
+otherwise. Logged: won, progress (the fraction of the way done), score (the fraction of max_score
+reached) and moves (commands sent), overall and per split (eval/easy/won, ...).
 
-The model writes one command per turn (the system prompt says how); the first non-empty line of
-its reply is sent, without a leading "> ", characters that do not print and backslashes. Whatever
-the game makes of it is the observation: a command it does not know is answered "That's not a verb
-I recognise." and costs a turn, like any other. Commands that would leave the game or write a file
-(quit, restart, restore, save, undo, transcript...) are not sent, wherever they are in the line (the
-parser runs "look. transcript" as two commands); the observation says so. The turn budget
-(rollout.max_turns) ends a game that is not won in time. A game file that jericho could not read
-(missing, truncated, corrupt: its interpreter would end the whole process) is refused when the
+The first non-empty line of a reply is sent, without a leading "> ", characters that do not print
+and backslashes; a command the game does not know costs a turn, like any other. Commands that would
+leave the game or write a file (quit, restart, restore, save, undo, transcript...) are not sent,
+wherever they are in the line (the parser runs "look. transcript" as two commands). A game file
+that jericho could not read (its interpreter would end the whole process) is refused when the
 prompts load.
 
 prepare() also writes pretraining text for a tiny model, from other games of the training level
 (what a real model brings and a tiny one must learn: that "an exit to the west" means "go west",
-that an objective's directions are the commands to send, how a game's text reads): exits.jsonl,
-each paragraph of a room that names one exit followed by the command that takes it; walkthroughs.jsonl,
-each game's objective followed by its commands; transcripts.jsonl, plays of the games as
-conversations (the game's own policy, wandering now and then). Every document comes in the 8
-symmetries of the compass (rotations and reflections of north, east, south, west), so that no
-direction is likelier than another and only reading tells which to take. A real model needs none
-of it.
+that an objective's directions are the commands to send, how a game's text reads): exits.jsonl, a
+room's paragraph that names one exit, then the command that takes it; walkthroughs.jsonl, a game's
+objective, then its commands; transcripts.jsonl, plays as conversations (the game's own policy,
+wandering now and then). Every document comes in the 8 symmetries of the compass, so that no
+direction is likelier than another and only reading tells which to take.
 """
 
 import glob
@@ -61,18 +55,23 @@ from textworld.generator import compile_game
 
 from nanoagent.data import load_prompts, write_prompts
 
-SYSTEM_PROMPT = ("You are playing a text adventure game. Each turn, reply with one command and nothing else, for example: "
-                 "look, open door, take key from box, put apple on table; to move, go and a direction. The game answers with what happened.")
+SYSTEM_PROMPT = ("You are playing a text adventure game. Each turn, reply with one command and nothing else, "
+                 "for example: look, open door, take key from box, put apple on table; to move, go and a "
+                 "direction. The game answers with what happened.")
 QUESTION = "{}"
-INFOS = textworld.EnvInfos(won=True, lost=True, score=True, max_score=True, moves=True, objective=True, policy_commands=True)
-PLAY_INFOS = textworld.EnvInfos(won=True, lost=True, objective=True, policy_commands=True, admissible_commands=True)
-LEVELS = {"easy": 3, "hard": 103}  # Coin Collector's levels: a chain of 3 rooms; the same with a dead end off each
+INFOS = textworld.EnvInfos(won=True, lost=True, score=True, max_score=True, moves=True, objective=True,
+                           policy_commands=True)
+PLAY_INFOS = textworld.EnvInfos(won=True, lost=True, objective=True, policy_commands=True,
+                                admissible_commands=True)
+LEVELS = {"easy": 3, "hard": 103}  # Coin Collector's: a chain of 3 rooms; the same with a dead end off each
 COMPASS = ["north", "east", "south", "west"]
-SYMMETRIES = [[COMPASS[(i + r) % 4] for i in range(4)] for r in range(4)] + [[COMPASS[(r - i) % 4] for i in range(4)] for r in range(4)]
+SYMMETRIES = ([[COMPASS[(i + r) % 4] for i in range(4)] for r in range(4)]
+              + [[COMPASS[(r - i) % 4] for i in range(4)] for r in range(4)])
 DIRECTION = re.compile(r"\b(north|east|south|west)\b", re.IGNORECASE)
 LETTER = re.compile(r"[A-Za-z]")
 WORD = re.compile(r"[a-z]+")
-META_COMMANDS = {"quit", "q", "restart", "restore", "save", "undo", "script", "unscript", "noscript", "transcript"}
+META_COMMANDS = {"quit", "q", "restart", "restore", "save", "undo", "script", "unscript", "noscript",
+                 "transcript"}
 WANDER = 1 / 3  # pretraining transcripts: the share of moves that are any command the game accepts
 PLAYS = 4  # pretraining transcripts: plays of each game, each wandering its own way
 tools = None
@@ -81,7 +80,8 @@ tools = None
 def clean(feedback):
     """The game's text without TextWorld's banner (lines of ASCII art: no letter in them), its
     prompt and status lines ("> ... -= Kitchen =-0/3"), trailing spaces and runs of blank lines."""
-    lines = [line.rstrip() for line in feedback.split("\n") if not line.startswith(">") and (not line.strip() or LETTER.search(line))]
+    lines = [line.rstrip() for line in feedback.split("\n")
+             if not line.startswith(">") and (not line.strip() or LETTER.search(line))]
     return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
 
 
@@ -113,8 +113,10 @@ class Game:
         self.env = textworld.start(game_path(row, self.games_dir), request_infos=INFOS)
         state = self.env.reset()
         self.score, self.max_score, self.won, self.moves = 0, max(state.max_score, 1), False, 0
-        self.length = self.remaining = max(len(state.policy_commands), 1)  # the game's plan to the goal, from the start and from here
-        return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": clean(state.feedback)}]
+        # the game's plan to the goal, from the start and from here
+        self.length = self.remaining = max(len(state.policy_commands), 1)
+        return [{"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": clean(state.feedback)}]
 
     def step(self, action):
         cmd = command(action)
@@ -126,7 +128,8 @@ class Game:
         read_to_end = not action.strip().partition("\n")[2].strip()
         state, self.score, done = self.env.step(cmd)
         self.won, self.moves = bool(state.won), self.moves + 1
-        remaining = 0 if self.won else len(state.policy_commands) or self.remaining  # a lost game has no plan: no progress
+        # a lost game has no plan: no progress
+        remaining = 0 if self.won else len(state.policy_commands) or self.remaining
         progress, self.remaining = (self.remaining - remaining) / self.length, remaining
         if done:
             self.env.close()
@@ -141,10 +144,12 @@ def game_path(row, games_dir="."):
     missing, truncated or corrupt is refused here, with its row's id."""
     path = os.path.join(games_dir, row["game"])  # an absolute row["game"] stays as it is
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"game file {path!r} of {row.get('id')!r} does not exist (generate the games with prepare_data.py --task=textworld)")
+        raise FileNotFoundError(f"game file {path!r} of {row.get('id')!r} does not exist "
+                                "(generate the games with prepare_data.py --task=textworld)")
     problem = story_problem(path)
     if problem:
-        raise ValueError(f"game file {path!r} of {row.get('id')!r} {problem}; generate the games again with prepare_data.py --task=textworld")
+        raise ValueError(f"game file {path!r} of {row.get('id')!r} {problem}; "
+                         "generate the games again with prepare_data.py --task=textworld")
     return path
 
 
@@ -159,7 +164,8 @@ def story_problem(path):
     if not 1 <= version <= 8:
         return "is not a Z-machine story file"
     length = (int(story[0x1A]) << 8 | int(story[0x1B])) * (2 if version <= 3 else 4 if version <= 5 else 8)
-    if length > len(story) or int(story[0x40:length].sum(dtype=np.int64)) % 65536 != int(story[0x1C]) << 8 | int(story[0x1D]):
+    if length > len(story) or (int(story[0x40:length].sum(dtype=np.int64)) % 65536
+                               != int(story[0x1C]) << 8 | int(story[0x1D])):
         return "is truncated or corrupt (its length or checksum does not match its header)"
     return None
 
@@ -169,7 +175,8 @@ def environment(cfg):
 
 
 def prompts(cfg, split):
-    rows = load_prompts(cfg.data.train_path if split == "train" else cfg.data.val_path, bad_prompts=cfg.data.bad_prompts)
+    rows = load_prompts(cfg.data.train_path if split == "train" else cfg.data.val_path,
+                        bad_prompts=cfg.data.bad_prompts)
     for row in rows:
         game_path(row)  # a missing game is refused now, not mid-run
     return rows
@@ -178,8 +185,8 @@ def prompts(cfg, split):
 def score(traj, cfg):
     """Outcome 1 for a won game, else 0 (the progress towards it is in the step rewards)."""
     game = traj.env
-    traj.scores = {"won": float(game.won), "progress": 1 - game.remaining / game.length, "score": game.score / game.max_score,
-                   "moves": float(game.moves)}
+    traj.scores = {"won": float(game.won), "progress": 1 - game.remaining / game.length,
+                   "score": game.score / game.max_score, "moves": float(game.moves)}
     traj.reward = float(game.won)
     return traj.reward
 
@@ -205,7 +212,8 @@ def transcript(env, state, rng):
     at most twice, one time in three (WANDER), any other command the game accepts, from which the
     policy then recovers.
     """
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": clean(state.feedback)}]
+    messages = [{"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": clean(state.feedback)}]
     wanders = 0
     for _ in range(3 * len(state.policy_commands) + 6):
         if state.won or state.lost or not state.policy_commands:
@@ -216,7 +224,8 @@ def transcript(env, state, rng):
         if others and wanders < 2 and rng.random() < WANDER:
             cmd, wanders = rng.choice(others), wanders + 1
         state, _, _ = env.step(cmd)
-        messages += [{"role": "assistant", "content": cmd}, {"role": "user", "content": clean(state.feedback)}]
+        messages += [{"role": "assistant", "content": cmd},
+                     {"role": "user", "content": clean(state.feedback)}]
     return {"messages": messages}
 
 
@@ -232,7 +241,8 @@ def turned(text, symmetry):
 def turned_play(play, symmetry):
     """A play with the game's text and the commands turned by symmetry, and the system prompt as the
     agent reads it in every game (a turned example command would be one no real prompt has)."""
-    return {"messages": [m if m["role"] == "system" else {**m, "content": turned(m["content"], symmetry)} for m in play["messages"]]}
+    return {"messages": [m if m["role"] == "system" else {**m, "content": turned(m["content"], symmetry)}
+                         for m in play["messages"]]}
 
 
 def exit_documents(plays):
@@ -267,15 +277,17 @@ def make_one(job):
     state = env.reset()
     walkthrough = list(state.policy_commands)
     if split == "pretrain":
-        played = [transcript(env, env.reset(), random.Random(f"textworld-transcript-{seed}-{play}")) for play in range(PLAYS)]
+        played = [transcript(env, env.reset(), random.Random(f"textworld-transcript-{seed}-{play}"))
+                  for play in range(PLAYS)]
         env.close()
         for name in glob.glob(os.path.splitext(path)[0] + ".*"):  # .z8, .ni, .json
             os.remove(name)
         return played, "\n".join([state.objective.strip(), ""] + walkthrough)
     env.close()
-    return {"id": f"{split}-{index:05d}", "type": kind, "game": os.path.relpath(path, out), "walkthrough": walkthrough,
-            "max_score": int(state.max_score), "answers": [],
-            "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": clean(state.feedback)}]}
+    return {"id": f"{split}-{index:05d}", "type": kind, "game": os.path.relpath(path, out),
+            "walkthrough": walkthrough, "max_score": int(state.max_score), "answers": [],
+            "messages": [{"role": "system", "content": SYSTEM_PROMPT},
+                         {"role": "user", "content": clean(state.feedback)}]}
 
 
 def prepare(out, train_size=0, val_size=None, seed=0, source=None):
@@ -290,7 +302,8 @@ def prepare(out, train_size=0, val_size=None, seed=0, source=None):
     train_size, val_size = train_size or 64, 32 if val_size is None else val_size
     base = 10_000 * seed
     jobs = [(out, "train", "easy", i, base + i) for i in range(train_size)]
-    jobs += [(out, "val", "easy" if i < (val_size + 1) // 2 else "hard", i, base + 1_000_000 + i) for i in range(val_size)]
+    jobs += [(out, "val", "easy" if i < (val_size + 1) // 2 else "hard", i, base + 1_000_000 + i)
+             for i in range(val_size)]
     jobs += [(out, "pretrain", "easy", i, base + 2_000_000 + i) for i in range(train_size)]
     os.makedirs(os.path.join(out, "games"), exist_ok=True)
     with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
@@ -298,7 +311,8 @@ def prepare(out, train_size=0, val_size=None, seed=0, source=None):
     pretraining = [r for r in rows if isinstance(r, tuple)]
     plays = [play for played, _ in pretraining for play in played]
     documents = {
-        "exits.jsonl": [{"text": text} for text in sorted({turned(d, m) for d in exit_documents(plays) for m in SYMMETRIES})],
+        "exits.jsonl": [{"text": text} for text in sorted({turned(d, m) for d in exit_documents(plays)
+                                                           for m in SYMMETRIES})],
         "walkthroughs.jsonl": [{"text": turned(text, m)} for _, text in pretraining for m in SYMMETRIES],
         "transcripts.jsonl": [turned_play(play, m) for play in plays for m in SYMMETRIES],
     }
@@ -306,4 +320,5 @@ def prepare(out, train_size=0, val_size=None, seed=0, source=None):
         with open(os.path.join(out, name), "w") as f:
             f.writelines(json.dumps(d) + "\n" for d in docs)
         print(f"wrote {len(docs)} documents to {os.path.join(out, name)}")
-    write_prompts(out, {split: [r for r in rows if isinstance(r, dict) and r["id"].startswith(split)] for split in ("train", "val")})
+    write_prompts(out, {split: [r for r in rows if isinstance(r, dict) and r["id"].startswith(split)]
+                        for split in ("train", "val")})

@@ -48,7 +48,7 @@ demo:
 		--kv_heads=2 --pretrain $(DEMO)/data/scrambled.jsonl 1000 --pretrain $(DEMO)/data/dialogues.jsonl 1200 --seed=$(SEED)
 	rm -rf $(DEMO)/run
 	$(PY) train.py --config=demo seed=$(SEED) model=$(DEMO)/model run_dir=$(DEMO)/run data.train_path=$(DEMO)/data/train.parquet \
-		data.val_path=$(DEMO)/data/val.parquet data.index_dir=$(DEMO)/data/index
+		data.val_path=$(DEMO)/data/val.parquet task.index_dir=$(DEMO)/data/index
 	$(PY) report.py --run=$(DEMO)/run
 
 # TextWorld's Coin Collector: games -> a tiny model pretrained on other games' text -> warm start -> GRPO -> report

@@ -24,7 +24,7 @@ import signal
 import sys
 
 from nanoagent.config import ConfigError, load_run_config, reference
-from nanoagent.tasks import load_task, task_env
+from nanoagent.tasks import load_task, named_tools, task_env
 
 THINK_TAG_RE = re.compile(r"</?think>")
 CALL_BLOCK_RE = re.compile(r"<tool_call>.*?(?:</tool_call>|\Z)", re.DOTALL)  # closed, or cut off by the token budget
@@ -124,7 +124,7 @@ def main(argv=None):
     parser.add_argument("--question", default=None, help="answer this one question and exit")
     parser.add_argument("--config", default=None, help="preset for tools and budgets (default: the run's config.json, else the defaults)")
     parser.add_argument("--tools", default=None, help="comma-separated built-in tools: search, calculator, or empty for none (default: the task's)")
-    parser.add_argument("--index", default=None, help="search: index folder from build_index.py (default: data.index_dir)")
+    parser.add_argument("--index", default=None, help="search: index folder from build_index.py (default: the task's task.index_dir)")
     parser.add_argument("--system", default=None, help="system prompt (default: the task's)")
     parser.add_argument("--engine", choices=["auto", "vllm", "hf"], default=None, help="generation engine (default: rollout.engine)")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
@@ -135,12 +135,11 @@ def main(argv=None):
     if args.question is not None and not args.question.strip():  # the model would answer nothing with whatever it makes up
         fail("--question is empty; ask a question, or leave --question out to chat")
     try:
-        cfg, config_source = load_run_config(
-            args.model, args.config,
-            args.overrides + ([f"data.index_dir={args.index}"] if args.index else []),
-        )
+        cfg, config_source = load_run_config(args.model, args.config, args.overrides)
     except ConfigError as e:
         fail(f"config: {e}")
+    if args.index and hasattr(cfg.task, "index_dir"):  # the task's own search, too
+        cfg.task.index_dir = args.index
     try:
         task = load_task(cfg.data.task)
     except (OSError, ValueError) as e:
@@ -153,7 +152,6 @@ def main(argv=None):
 
     from nanoagent.engine import SamplingConfig, make_engine
     from nanoagent.hub import resolve_model
-    from nanoagent.tools import make_tools
 
     model_path = resolve_model(args.model, "chat.py")
     try:
@@ -162,8 +160,8 @@ def main(argv=None):
     except Exception as e:  # an unknown hub id, a broken folder: transformers says what is wrong
         fail(f"--model {args.model!r} does not load: {str(e).strip().splitlines()[0]}")
     try:
-        tools = None if args.tools is None else make_tools([t.strip() for t in args.tools.split(",") if t.strip()],
-                                                            cfg.data.index_dir, top_k=cfg.rollout.search_top_k)
+        tools = None if args.tools is None else named_tools([t.strip() for t in args.tools.split(",") if t.strip()],
+                                                             cfg, args.index)
         env = task_env(task, cfg, tokenizer, tools)
     # no index there, an unknown tool, an index that will not load, a template a rollout would fail on (ChatEnv.check)
     except (OSError, ValueError) as e:

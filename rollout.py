@@ -11,7 +11,7 @@ The task (data.task), its prompts, tools and scoring, and the sampling, budgets 
 come from a config: the run's own, which training saved beside its export (<run_dir>/config.json
 next to <run_dir>/hf), so that a trained model is evaluated with the settings it was trained with;
 a preset with --config; the defaults for a model that is no run's export. key=value overrides go
-on top, as in train.py (rollout.engine, rollout.max_turns, rollout.search_top_k, reward.metric, ...).
+on top, as in train.py (rollout.engine, rollout.max_turns, task.search_top_k, reward.metric, ...).
 The first line printed says which config it is.
 """
 
@@ -29,9 +29,8 @@ from nanoagent.common import exit_now
 from nanoagent.config import ConfigError, load_run_config, reference
 from nanoagent.data import check_prompts, load_prompts
 from nanoagent.engine import SamplingConfig, make_engine
-from nanoagent.tasks import load_task, task_env
+from nanoagent.tasks import load_task, named_tools, task_env
 from nanoagent.hub import resolve_model
-from nanoagent.tools import make_tools
 
 
 def parse_args(argv):
@@ -41,7 +40,7 @@ def parse_args(argv):
                                                      "(default: the task's held-out prompts)")
     parser.add_argument("--out", default="out/rollouts.jsonl", help="trajectories, one JSON object per line")
     parser.add_argument("--tools", default=None, help="comma-separated built-in tools: search, calculator, or empty for none (default: the task's)")
-    parser.add_argument("--index", default=None, help="search: index folder from build_index.py (default: data.index_dir)")
+    parser.add_argument("--index", default=None, help="search: index folder from build_index.py (default: the task's task.index_dir)")
     parser.add_argument("--limit", type=int, default=0, help="roll out only the first N prompts (0: all)")
     parser.add_argument("--batch-size", type=int, default=64, help="prompts rolled out together")
     parser.add_argument("--greedy", action="store_true", help="greedy decoding (evaluation)")
@@ -50,10 +49,11 @@ def parse_args(argv):
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. rollout.max_turns=4")
     args = parser.parse_args(argv)
     try:
-        cfg, source = load_run_config(args.model, args.config, args.overrides + [f"model={args.model}"]
-                                      + ([f"data.index_dir={args.index}"] if args.index else []))
+        cfg, source = load_run_config(args.model, args.config, args.overrides + [f"model={args.model}"])
     except ConfigError as e:
         parser.error(str(e))
+    if args.index and hasattr(cfg.task, "index_dir"):  # the task's own search, too
+        cfg.task.index_dir = args.index
     return args, cfg, source
 
 
@@ -67,8 +67,7 @@ def main(argv=None):
     else:
         samples = check_prompts(task.prompts(cfg, "val"), cfg.data.bad_prompts, f"{cfg.data.task} val prompts")[:args.limit or None]
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    tools = None if args.tools is None else make_tools([t for t in args.tools.split(",") if t], cfg.data.index_dir,
-                                                        top_k=cfg.rollout.search_top_k)
+    tools = None if args.tools is None else named_tools([t for t in args.tools.split(",") if t], cfg, args.index)
     try:
         env = task_env(task, cfg, tokenizer, tools)
     except ConfigError as e:  # a chat template or tokenizer a rollout would fail on (ChatEnv.check)

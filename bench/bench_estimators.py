@@ -38,7 +38,7 @@ def run(demo, name, seed):
     if not os.path.exists(os.path.join(run_dir, "hf")):
         cmd = [sys.executable, "train.py", "--config=demo", f"seed={seed}", f"model={demo}/model", f"run_dir={run_dir}",
                f"data.train_path={demo}/data/train.parquet", f"data.val_path={demo}/data/val.parquet",
-               f"data.index_dir={demo}/data/index", *ESTIMATORS[name]]
+               f"task.index_dir={demo}/data/index", *ESTIMATORS[name]]
         print(" ".join(cmd[1:]), flush=True)
         proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if proc.returncode:

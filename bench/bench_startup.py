@@ -51,7 +51,7 @@ def child(ending, cache):
 
 def one_step_run(cache, run_dir):
     cmd = [sys.executable, "train.py", "--config=tiny", "steps=1", "algo=grpo", "train.warm_start_steps=30", "rollout.prompts_per_step=4",
-           "rollout.max_turns=2", "ppo.mini_batch_size=8", "data.num_val=8", f"run_dir={run_dir}", "resume=never"]
+           "rollout.max_turns=2", "ppo.mini_batch_size=8", "task.num_val=8", f"run_dir={run_dir}", "resume=never"]
     start = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                    env={**os.environ, "OMP_NUM_THREADS": "1", "NANOAGENT_CACHE": cache})

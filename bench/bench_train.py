@@ -227,7 +227,7 @@ def balance(steps, sittings=2):
     task = os.path.join(ROOT, "tests", "uneven_task.py")
     for sitting in range(sittings):
         for on in ("false", "true"):
-            rows = train_steps(2, ["algo=grpo", f"steps={steps}", f"data.task={task}", "data.shuffle=false", "data.num_train=16",
+            rows = train_steps(2, ["algo=grpo", f"steps={steps}", f"data.task={task}", "data.shuffle=false", "task.num_train=16",
                                    "rollout.prompts_per_step=16", "rollout.group_size=4", "ppo.mini_batch_size=64", f"train.balance_ranks={on}"], 1)
             med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
             print(f"sitting {sitting + 1}, balance_ranks={on:5s}: rank_imbalance {med('rank_imbalance'):.2f} | step {med('time/step'):.2f}s | "

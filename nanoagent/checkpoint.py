@@ -64,32 +64,10 @@ from transformers import AutoModelForCausalLM
 
 from nanoagent.common import print0
 from nanoagent.config import ConfigError, flatten, to_dict
+from nanoagent.keys import fixed_keys
 
 STEP_DIR = re.compile(r"^step_(\d{6})(\.old|\.tmp)?$")
 MARKER = "COMPLETE"
-
-# Config keys a resumed run may change: they steer what happens from the next step on. Every other
-# key is fixed by the checkpoint, and a resume that changes one is refused: the weights and the
-# optimizer state belong to the model and the algorithm (the critic), and the data position and
-# every seed assume the same task, prompts, order and batch shapes (seed, data.*, prompts_per_step,
-# group_size, mini_batch_size). A key added to Config is fixed until it is listed here.
-CHANGEABLE = {
-    "steps", "run_dir", "resume",
-    "data.val_path", "data.index_dir", "data.num_val",
-    "rollout.engine", "rollout.temperature", "rollout.top_p", "rollout.max_turns", "rollout.max_new_tokens",
-    "rollout.max_context_tokens", "rollout.max_obs_tokens", "rollout.tool_timeout_s", "rollout.search_top_k", "rollout.dtype",
-    "rollout.compile", "rollout.gpu_memory_utilization", "rollout.context", "rollout.keep_turns",
-    "rollout.tool_format",
-    "ppo.gamma", "ppo.lam", "ppo.clip_low", "ppo.clip_high", "ppo.clip_dual", "ppo.value_clip", "ppo.epochs", "ppo.critic_lr",
-    "ppo.critic_warmup_steps", "ppo.whiten_advantages", "ppo.whiten_over", "ppo.ratio",
-    "grpo.scale_by_std", "grpo.eps", "grpo.drop_uniform_groups",
-    "train.lr", "train.weight_decay", "train.warmup_steps", "train.grad_clip", "train.micro_batch_tokens", "train.balance_ranks", "train.loss_agg",
-    "train.kl_mode", "train.kl_coef", "train.entropy_coef", "train.tis", "train.tis_cap", "train.overlong_filter", "train.dtype",
-    "train.activation_checkpointing", "train.save_every", "train.keep_last", "train.tool_call_reward", "train.warm_start_steps",
-    "train.warm_start_lr", "train.warm_start_batch_size", "train.max_idle_steps",
-    "reward.metric", "reward.answer_weight", "reward.format_weight", "reward.require_think",
-    "eval.every", "eval.num_prompts", "log.wandb", "log.wandb_project",
-}
 
 
 class CheckpointError(RuntimeError):
@@ -278,7 +256,7 @@ def save_checkpoint(run_dir, step, models, optimizers, extra, config, keep_last=
 def check_resume(path, cfg):
     """
     Before resuming from the checkpoint at `path` with the config cfg: refuse (ConfigError) a
-    checkpoint beyond cfg.steps, another world size, or a change of a key that is not CHANGEABLE,
+    checkpoint beyond cfg.steps, another world size, or a change of a key declared fixed (nanoagent/keys.py),
     naming them all; return the changes that apply, as "key: old -> new" lines.
     """
     marker = _read_json(os.path.join(path, MARKER))
@@ -292,7 +270,7 @@ def check_resume(path, cfg):
                           "(the old one is moved aside) or another run_dir")
     saved, current = flatten(_read_json(os.path.join(path, "config.json"))), flatten(to_dict(cfg))
     changes = [(key, saved.get(key), value) for key, value in current.items() if saved.get(key) != value]
-    fixed = [f"{key}: {old!r} -> {new!r}" for key, old, new in changes if key not in CHANGEABLE]
+    fixed = [f"{key}: {old!r} -> {new!r}" for key, old, new in changes if key in fixed_keys(cfg)]
     if fixed:
         raise ConfigError(f"{path} cannot be resumed with these changes: {'; '.join(fixed)}. The checkpoint's weights, optimizer "
                           "state and data position belong to its model, algorithm, data and batch shapes; start a new run "

@@ -25,7 +25,7 @@ import string
 import unicodedata
 from collections import Counter
 
-from nanoagent.config import RewardConfig
+from nanoagent.keys import RewardConfig
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 TAG_RE = re.compile(r"<(/?)(think|answer|tool_call)>")

@@ -3,14 +3,13 @@ Tools, and tool calling as an environment.
 
 A Tool is a name, a description, JSON-schema parameters and a function from arguments to text.
 The model calls tools Hermes-style, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
-ToolCalling, the environment of a tool task (env.py says what an environment is), parses the calls
-of a turn and has a ToolRunner run them: it checks the arguments against the schema and runs each
-call under a time limit (a daemon thread per call, never a process-wide signal; calls abandoned at
-the limit are bounded per tool, see ToolRunner). The results come back as tool messages, which the
-agent loop cuts to a token budget and renders with the chat template (env.ChatEnv). Anything that
-goes wrong — bad JSON, an unknown tool, bad arguments, anything the tool raises (SystemExit and
-KeyboardInterrupt included), a time-out — becomes an error observation the model reads and can
-recover from; it never crashes the rollout, and fails only the calls it concerns.
+ToolCalling, the environment of a tool task (env.py says what an environment is), parses a turn's
+calls and has a ToolRunner run them: the arguments checked against the schema, each call under a
+time limit (a daemon thread per call, never a process-wide signal; abandoned calls are bounded per
+tool, see ToolRunner). Anything that goes wrong (bad JSON, an unknown tool, bad arguments, anything
+the tool raises, SystemExit and KeyboardInterrupt included, a time-out) becomes an error
+observation the model reads and can recover from; it never crashes the rollout, and fails only the
+calls it concerns.
 """
 
 import ast
@@ -50,7 +49,8 @@ class Tool:
 
     def schema(self):
         """The tool as the chat template's `tools` list expects it (OpenAI function format)."""
-        return {"type": "function", "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}
 
 
 @dataclass
@@ -84,11 +84,13 @@ def parse_tool_calls(text):
             except json.JSONDecodeError:
                 pass
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(args, dict):
-            calls.append(ToolCall(None, None, 'Error: malformed tool call, expected {"name": "<tool name>", "arguments": {...}}.', True))
+            calls.append(ToolCall(None, None, 'Error: malformed tool call, expected '
+                                  '{"name": "<tool name>", "arguments": {...}}.', True))
             continue
         calls.append(ToolCall(obj["name"], args))
     if text.count("<tool_call>") > len(calls):
-        calls.append(ToolCall(None, None, "Error: malformed tool call, <tool_call> was not closed with </tool_call>.", True))
+        calls.append(ToolCall(None, None, "Error: malformed tool call, "
+                              "<tool_call> was not closed with </tool_call>.", True))
     return calls
 
 
@@ -121,11 +123,11 @@ def _start(tool, arguments):
     """
     Start a tool on the arguments of some calls in a daemon thread: call_batch on all of them when
     the tool batches, else call on the one. Returns (thread, box); box gets "results" (one string per
-    call) or "error" (what went wrong). Everything the tool raises is caught here, BaseException
-    included: a tool that calls sys.exit() or raises KeyboardInterrupt has failed, and the model reads
-    that like any other failure. No real Ctrl-C is swallowed: Python delivers signals to the main
-    thread only, and no tool runs there. A call that never returns is abandoned at its time limit (a
-    Python thread cannot be killed); being a daemon thread, it does not hold up process exit.
+    call) or "error". Everything the tool raises is caught, BaseException included: a tool that calls
+    sys.exit() or raises KeyboardInterrupt has failed like any other (no real Ctrl-C is swallowed:
+    Python delivers signals to the main thread only, and no tool runs there). A call that never
+    returns is abandoned at its time limit (a Python thread cannot be killed); a daemon thread does
+    not hold up process exit.
     """
     box = {}
 
@@ -133,7 +135,8 @@ def _start(tool, arguments):
         try:
             results = tool.call_batch(arguments) if tool.call_batch is not None else [tool.call(arguments[0])]
             if not isinstance(results, (list, tuple)) or len(results) != len(arguments):
-                got = f"{len(results)} results" if isinstance(results, (list, tuple)) else f"a {type(results).__name__}"
+                got = (f"{len(results)} results" if isinstance(results, (list, tuple))
+                       else f"a {type(results).__name__}")
                 box["error"] = f"returned {got} for {len(arguments)} calls."
             else:
                 box["results"] = [str(r) for r in results]
@@ -147,10 +150,9 @@ def _start(tool, arguments):
 
 class ToolCalling:
     """
-    The environment of one trajectory of a tool task (Agent-R1's ToolEnv): the conversation starts
-    from the row's messages; each step runs the turn's tool calls and answers with one tool
-    message per call; a turn without a call is the answer, and ends the episode. Its calls are in
-    info["tool_calls"], each with the turn it was made in. The reward of a step is 0: what a
+    The environment of one trajectory of a tool task (Agent-R1's ToolEnv): each step runs the
+    turn's tool calls (info["tool_calls"], each with its turn) and answers with one tool message per
+    call; a turn without a call is the answer, and ends the episode. A step's reward is 0: what a
     successful call is worth is the trainer's to say (train.tool_call_reward).
     """
 
@@ -168,7 +170,7 @@ class ToolCalling:
         self.turn += 1
         if not calls:
             return [], 0.0, True, {"tool_calls": []}
-        self.runner.start(calls).result()  # raises what the runner raised (a bug in it): this trajectory fails
+        self.runner.start(calls).result()  # raises the runner's own bug, if any: this trajectory fails
         return [{"role": "tool", "content": c.result} for c in calls], 0.0, False, {"tool_calls": calls}
 
 
@@ -177,17 +179,18 @@ class ToolRunner:
     Runs tool calls, now (run) or in the background (start), for every trajectory of a rollout.
 
     A call past its time limit is abandoned, not stopped: a Python thread cannot be killed, and the
-    tools that matter here (search over an in-memory index and encoder) cannot move to a process that
-    could be. So abandoned calls are bounded per tool instead: while `max_abandoned` earlier calls of a
-    tool are still running past their limit, new calls to it fail at once with an error observation
-    and start no thread. A tool that hangs for good then holds at most `max_abandoned` threads for the
-    whole run (plus the calls in flight), rather than one more per call; a tool that was only slow
-    serves again as soon as its abandoned calls end.
+    tools that matter here (search over an in-memory index and encoder) cannot move to a process
+    that could be. So abandoned calls are bounded per tool: while `max_abandoned` earlier calls of a
+    tool still run past their limit, new calls to it fail at once with an error observation and
+    start no thread. A tool that hangs for good holds at most `max_abandoned` threads for the whole
+    run (plus the calls in flight), not one more per call; one that was only slow serves again as
+    soon as its abandoned calls end.
     """
 
     def __init__(self, tools, timeout_s=10.0, workers=4, max_abandoned=8):
         self.tools = {t.name: t for t in tools}
-        self.validators = {}  # tool name -> the validator of its arguments; the schema is checked once, here (a bad one: SchemaError)
+        # tool name -> the validator of its arguments; each schema is checked once, here (bad: SchemaError)
+        self.validators = {}
         for t in tools:
             validator = jsonschema.validators.validator_for(t.parameters)
             validator.check_schema(t.parameters)
@@ -255,10 +258,12 @@ class ToolRunner:
                 continue
             tool = self.tools.get(call.name)
             if tool is None:
-                call.result, call.error = f"Error: unknown tool {call.name!r}; available tools: {', '.join(self.tools)}.", True
+                call.result, call.error = (f"Error: unknown tool {call.name!r}; "
+                                           f"available tools: {', '.join(self.tools)}."), True
                 continue
             error = jsonschema.exceptions.best_match(self.validators[call.name].iter_errors(call.arguments))
-            if error is not None:  # what jsonschema.validate would raise, without checking the schema again (~1 ms a call)
+            # what jsonschema.validate would raise, without checking the schema again (~1 ms a call)
+            if error is not None:
                 call.result, call.error = f"Error: bad arguments for {call.name}: {error.message}.", True
                 continue
             by_tool.setdefault(tool.name, []).append(call)
@@ -268,8 +273,9 @@ class ToolRunner:
                 stuck = self.abandoned[name] = [t for t in self.abandoned.get(name, []) if t.is_alive()]
             if len(stuck) >= self.max_abandoned:
                 for c in group:
-                    c.result, c.error = (f"Error: tool {name} is not answering: {len(stuck)} earlier calls are still running "
-                                         f"past the time limit of {self.timeout_s:g}s."), True
+                    c.result, c.error = (
+                        f"Error: tool {name} is not answering: {len(stuck)} earlier calls are still "
+                        f"running past the time limit of {self.timeout_s:g}s."), True
             elif tool.call_batch is not None:
                 thread, box = _start(tool, [c.arguments for c in group])
                 jobs.append((thread, box, group, time.perf_counter()))
@@ -340,7 +346,8 @@ def calculator_tool():
     return Tool(
         name="calculator",
         description="Evaluate an arithmetic expression with + - * / // % ** and parentheses.",
-        parameters={"type": "object", "properties": {"expression": {"type": "string", "description": "e.g. (3 + 4) * 12"}},
+        parameters={"type": "object",
+                    "properties": {"expression": {"type": "string", "description": "e.g. (3 + 4) * 12"}},
                     "required": ["expression"], "additionalProperties": False},
         call=lambda args: calculate(args["expression"]),
     )
@@ -348,7 +355,8 @@ def calculator_tool():
 
 def format_passages(passages):
     """Compact search results: one line of title and text per passage."""
-    return "\n".join(f"Doc {i + 1} (Title: {p['title']}) {p['text']}" for i, p in enumerate(passages)) or "No results."
+    return ("\n".join(f"Doc {i + 1} (Title: {p['title']}) {p['text']}" for i, p in enumerate(passages))
+            or "No results.")
 
 
 def search_tool(retriever, top_k=3):
@@ -360,7 +368,8 @@ def search_tool(retriever, top_k=3):
     return Tool(
         name="search",
         description="Search Wikipedia passages. Returns the most relevant passages with their titles.",
-        parameters={"type": "object", "properties": {"query": {"type": "string", "description": "the search query"}},
+        parameters={"type": "object",
+                    "properties": {"query": {"type": "string", "description": "the search query"}},
                     "required": ["query"], "additionalProperties": False},
         call=lambda args: call_batch([args])[0],
         call_batch=call_batch,
@@ -376,8 +385,8 @@ def make_tools(names, index_dir=None, encoder=None, top_k=3):
             tools.append(calculator_tool())
         elif name == "search":
             if not index_dir:
-                raise ValueError("the search tool needs an index folder: build one with build_index.py and pass it "
-                                 "(data.index_dir=DIR for train.py, --index DIR for rollout.py)")
+                raise ValueError("the search tool needs an index folder: build one with build_index.py and "
+                                 "pass it (task.index_dir=DIR for train.py, --index DIR for rollout.py)")
             from nanoagent.retriever import IndexRetriever
             tools.append(search_tool(IndexRetriever(index_dir, encoder), top_k))
         else:

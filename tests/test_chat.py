@@ -270,8 +270,8 @@ def main_fails(argv, capsys):
 def test_missing_index_is_refused(tiny_model_dir, tmp_path, capsys):
     status, err = main_fails(["--model", tiny_model_dir, "--tools", "search", "--index", str(tmp_path / "no_index"), "--question", "hi"], capsys)
     assert status == 2 and "no search index at" in err and "build_index.py" in err
-    # the default tools come from the config: a search task (the defaults) needs its data.index_dir
-    status, err = main_fails(["--model", tiny_model_dir, f"data.index_dir={tmp_path / 'no_index'}", "--question", "hi"], capsys)
+    # the default tools come from the config: a search task (the defaults) needs its task.index_dir
+    status, err = main_fails(["--model", tiny_model_dir, f"task.index_dir={tmp_path / 'no_index'}", "--question", "hi"], capsys)
     assert status == 2 and "no search index at" in err
 
 

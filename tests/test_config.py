@@ -10,7 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import procs
-from nanoagent.config import PRESETS, Config, ConfigError, all_keys, from_dict, make_config, save_config, to_dict
+from nanoagent.config import Config, ConfigError, all_keys, from_dict, make_config, reference, save_config, to_dict
+from nanoagent.keys import fixed_keys
+from nanoagent.presets import PRESETS
 
 
 def test_defaults_presets_and_overrides():
@@ -60,7 +62,7 @@ def test_bad_overrides_are_refused_with_the_key(override, message):
     ("rollout.keep_turns=0", r"rollout.keep_turns=0: must be >= 1"),
     ("rollout.top_p=1.5", r"rollout.top_p=1.5: must be in \(0, 1\]"),
     ("ppo.gamma=1.01", r"ppo.gamma=1.01: must be in \[0, 1\]"),
-    ("seed=4294967296", r"seed=4294967296: must be < 2\*\*31"),
+    ("seed=4294967296", r"seed=4294967296: must be in \[0, 2147483647\]"),
 ])
 def test_out_of_range_values_are_refused_with_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -78,7 +80,8 @@ def test_every_number_has_a_range_and_every_float_is_finite():
     """A numeric key added later gets a range too: -1 is refused for every one of them but the two
     whose negative values mean something, and nan/inf for every float."""
     signed = {"train.entropy_coef", "train.tool_call_reward"}  # an entropy penalty, a cost per tool call
-    for key, (typ, _, _) in all_keys().items():
+    for key, k in all_keys(make_config("tiny")).items():
+        typ = k.type
         if typ in (int, float) and key not in signed:
             with pytest.raises(ConfigError, match=re.escape(f"{key}=-1")):
                 make_config("tiny", [f"{key}=-1"])
@@ -111,12 +114,14 @@ def test_train_cli_prints_saves_and_refuses(tmp_path):
 
 
 def test_config_and_common_import_nothing_above_them():
-    """common.py is the ground floor (it imports no nanoagent module) and config.py stands on it at
-    most: every script and module reads them, so an import from them reaches up into the whole kit
+    """common.py, keys.py and presets.py are the ground floor (they import no nanoagent module) and
+    config.py stands on them at most (a task's task.* keys are read from its file, not imported): every script and module reads them, so an import from them reaches up into the whole kit
     (common -> tiny was an import circle, config -> tasks pulled the tasks into every config check).
     Every import in the file counts, one inside a function too."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for path, allowed in [("nanoagent/common.py", set()), ("nanoagent/config.py", {"nanoagent.common"})]:
+    floor = [("nanoagent/common.py", set()), ("nanoagent/keys.py", set()), ("nanoagent/presets.py", set()),
+             ("nanoagent/config.py", {"nanoagent.common", "nanoagent.keys", "nanoagent.presets"})]
+    for path, allowed in floor:
         imported = set()
         for node in ast.walk(ast.parse(open(os.path.join(root, path)).read())):
             if isinstance(node, ast.Import):
@@ -147,6 +152,31 @@ def test_help_lists_every_task_and_preset_there_is(capsys):
     with pytest.raises(SystemExit):
         train.parse_args(["--help"])
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps the option help
-    assert "textworld" in task_names() and f"({', '.join(task_names())})" in all_keys()["data.task"][2]
+    assert "textworld" in task_names() and f"({', '.join(task_names())})" in all_keys()["data.task"].help
     assert f"--config CONFIG preset: {', '.join(PRESETS)} (default: none)" in out
     assert f"presets (--config=NAME): {', '.join(PRESETS)}" in out
+
+
+def test_a_task_declares_its_own_keys_in_its_file(tmp_path):
+    """A task with a knob is one file: its Knobs give the task.* keys, with their bounds and whether a
+    resume may change them, read from the file without importing it (this one would not import)."""
+    path = tmp_path / "my_task.py"
+    path.write_text("import no_such_library\nfrom dataclasses import dataclass\nfrom typing import Literal\n\n"
+                    "from nanoagent.keys import opt\n\n\n@dataclass\nclass Knobs:\n"
+                    "    depth: int = opt(3, 'how deep', low=1, fixed=True)\n"
+                    "    mode: Literal['a', 'b'] = opt('a', 'which way')\n")
+    cfg = make_config("tiny", ["task.depth=5", f"data.task={path}"])  # data.task is applied first
+    assert (cfg.task.depth, cfg.task.mode) == (5, "a") and to_dict(cfg)["task"] == {"depth": 5, "mode": "a"}
+    assert from_dict(to_dict(cfg)).task.depth == 5
+    assert {"task.depth", "data.task", "algo"} <= fixed_keys(cfg) and "task.mode" not in fixed_keys(cfg)
+    for override, refusal in [("task.depth=0", "task.depth=0: must be >= 1"),
+                              ("task.mode=c", "task.mode='c' is not a valid choice; valid: a, b"),
+                              ("task.num_train=8", f"unknown config key 'task.num_train' of data.task={path}.")]:
+        with pytest.raises(ConfigError, match=re.escape(refusal)):
+            make_config("tiny", [f"data.task={path}", override])
+    assert make_config("tiny").task.num_val == 32  # the tiny preset's arithmetic: its own keys
+    reference_text = reference()
+    assert "data.task=arithmetic:" in reference_text and "task.num_train" in reference_text
+    path.write_text("@dataclass\nclass Knobs:\n    depth: int = opt(default_depth(), 'how deep')\n")
+    with pytest.raises(ConfigError, match="its Knobs may use only opt, Literal, dataclass and the builtins"):
+        make_config("tiny", [f"data.task={path}"])

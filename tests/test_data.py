@@ -118,12 +118,12 @@ def test_synthetic_contract_and_determinism(tmp_path):
 
 
 def test_synthetic_prompts_and_index_are_made_on_the_spot_when_no_files_are_named(tmp_path):
-    """data.train_path, data.val_path and data.index_dir empty: the rows prepare() writes, and a search over
+    """data.train_path, data.val_path and task.index_dir empty: the rows prepare() writes, and a search over
     the world's passages (the packaged MiniLM) whose top passage for an entity's name is the entity's own."""
     proc = prepare("--task=synthetic", f"--out={tmp_path}")
     assert proc.returncode == 0, proc.stderr
-    cfg = make_config("demo-smollm2", ["rollout.search_top_k=1"])
-    assert (cfg.data.train_path, cfg.data.val_path, cfg.data.index_dir) == ("", "", "")
+    cfg = make_config("demo-smollm2", ["task.search_top_k=1"])
+    assert (cfg.data.train_path, cfg.data.val_path, cfg.task.index_dir) == ("", "", "")
     for split in ("train", "val"):
         assert synthetic.prompts(cfg, split) == load_prompts(str(tmp_path / f"{split}.parquet")), split
     [search] = synthetic.tools(cfg)

@@ -48,7 +48,7 @@ def test_rollout_evaluates_a_run_under_the_config_it_was_trained_with(tiny_model
     assert rollout.main(["--model", str(run / "hf"), "--limit", "3", "--greedy", "--out", str(out)]) == 0
     assert capsys.readouterr().out.startswith(f"rollout.py: config {run / 'config.json'}\n")
     rows = read_jsonl(out)
-    # the tiny preset's data.num_val, the run's seed
+    # the tiny preset's task.num_val, the run's seed
     held_out = arithmetic.make_prompts(32, seed=7, split="val")[:3]
     assert [r["id"] for r in rows] == [p["id"] for p in held_out]
     assert [r["messages"][:2] for r in rows] == [p["messages"] for p in held_out]

@@ -178,7 +178,7 @@ def test_one_rl_step_and_a_resume_on_the_real_model(tmp_path):
         cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config=tiny", "model=smollm2-135m", f"steps={steps}",
                f"run_dir={tmp_path / 'run'}", f"data.task={os.path.join(ROOT, 'tests', 'alternating_task.py')}",
                "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_turns=2", "rollout.max_new_tokens=24",
-               "ppo.mini_batch_size=4", "data.num_val=2", "train.lr=1e-5"]
+               "ppo.mini_batch_size=4", "task.num_val=2", "train.lr=1e-5"]
         proc = procs.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
         return proc.stdout, [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]

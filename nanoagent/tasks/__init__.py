@@ -16,6 +16,8 @@ else about it. A task module defines:
     score(traj, cfg)           -> sets traj.reward (a float) and traj.scores (a dict of floats to log)
     demonstration              None, or (row, rng) -> [assistant turn texts]: a scripted solution
                                   to imitate before RL (train.warm_start_steps)
+    Knobs                      optional: a dataclass of the task's own config keys (task.*), each
+                                  declared with nanoagent.keys.opt (arithmetic.py has two)
     prepare(out, train_size, val_size, seed, source)
                                None (prompts made on the spot), or writes OUT/train.parquet and
                                OUT/val.parquet (and anything else the task reads, e.g. a corpus)
@@ -32,6 +34,7 @@ import os
 from nanoagent.config import task_names
 from nanoagent.data import check_prompts, fit_prompts
 from nanoagent.env import ChatEnv, tool_env
+from nanoagent.tools import make_tools
 
 
 def load_task(name):
@@ -67,6 +70,13 @@ def task_env(task, cfg, tokenizer, tools=None):
                        r.context, r.keep_turns, step_timeout_s=r.step_timeout_s, tool_format=r.tool_format)
     env.check()  # a tokenizer or template a rollout would fail on is refused now, before any model is built
     return env
+
+
+def named_tools(names, cfg, index_dir=None):
+    """The built-in tools rollout.py's and chat.py's --tools name, for any task: the search runs over
+    index_dir (--index), else over the task's own index (task.index_dir, a search task's)."""
+    return make_tools(names, index_dir or getattr(cfg.task, "index_dir", None),
+                      top_k=getattr(cfg.task, "search_top_k", 3))
 
 
 def task_data(task, cfg, tokenizer):

@@ -5,12 +5,14 @@ Arithmetic: an offline task whose answer needs a tool, for the tiny preset and t
 can. The reward (strict EM by default) needs a calculator call with the question's numbers and the
 result copied into the answer. A quarter of the 49 operand pairs is held out for validation, so
 held-out questions are ones the model never trained on. Prompts are made on the spot from
-(data.num_train, data.num_val, seed): nothing to prepare.
+(task.num_train, task.num_val, seed): nothing to prepare.
 """
 
 import json
 import random
+from dataclasses import dataclass
 
+from nanoagent.keys import opt
 from nanoagent.reward import score_trajectory
 from nanoagent.tools import calculator_tool
 
@@ -18,6 +20,12 @@ SYSTEM_PROMPT = "Use the calculator, then give the final answer as <answer>numbe
 QUESTION = "{}"
 PHRASINGS = ("What is {a} * {b}?", "Compute {a} * {b}.")  # the numbers at the same place from the end
 prepare = None
+
+
+@dataclass
+class Knobs:
+    num_train: int = opt(2048, "generated training prompts", low=1, fixed=True)
+    num_val: int = opt(64, "generated held-out prompts", low=1)
 
 
 def tools(cfg):
@@ -47,7 +55,7 @@ def make_prompts(n, seed=0, split="train"):
 
 
 def prompts(cfg, split):
-    return make_prompts(cfg.data.num_train if split == "train" else cfg.data.num_val, cfg.seed, split)
+    return make_prompts(cfg.task.num_train if split == "train" else cfg.task.num_val, cfg.seed, split)
 
 
 def score(traj, cfg):

@@ -12,15 +12,17 @@ prepare() reads HotpotQA from the hub through the datasets library, or from a fo
 original JSON files (hotpot_train_v1.1.json, hotpot_dev_distractor_v1.json or
 hotpot_dev_fullwiki_v1.json), which is what tests use, and writes data.train_path / data.val_path
 (train.parquet sampled from HotpotQA's train split, val.parquet from its dev split). The passages
-come from the BeIR HotpotQA corpus, indexed by build_index.py into data.index_dir. The synthetic
+come from the BeIR HotpotQA corpus, indexed by build_index.py into task.index_dir. The synthetic
 task (synthetic.py) reuses this task's prompt, tools and scoring.
 """
 
 import json
 import os
 import random
+from dataclasses import dataclass
 
 from nanoagent.data import load_prompts, write_prompts
+from nanoagent.keys import opt
 from nanoagent.reward import score_trajectory
 from nanoagent.tools import make_tools
 
@@ -32,6 +34,12 @@ SYSTEM_PROMPT = (
 )
 
 QUESTION = "Question: {}"
+
+
+@dataclass
+class Knobs:
+    index_dir: str = opt("data/hotpotqa/index", "search index from build_index.py")
+    search_top_k: int = opt(3, "passages returned by one search call", low=1)
 demonstration = None
 HUB_QUESTIONS = ("hotpotqa/hotpot_qa", "distractor")
 LOCAL_FILES = {"train": ["hotpot_train_v1.1.json"], "val": ["hotpot_dev_distractor_v1.json", "hotpot_dev_fullwiki_v1.json"]}
@@ -98,8 +106,8 @@ def sample(rows, size, seed, label):
 
 
 def tools(cfg):
-    """Search over the index build_index.py wrote into data.index_dir."""
-    return make_tools(["search"], cfg.data.index_dir, top_k=cfg.rollout.search_top_k)
+    """Search over the index build_index.py wrote into task.index_dir."""
+    return make_tools(["search"], cfg.task.index_dir, top_k=cfg.task.search_top_k)
 
 
 def prompts(cfg, split):

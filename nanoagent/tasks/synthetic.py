@@ -19,7 +19,7 @@ and split.
 
 The task is HotpotQA's (question wording, search tool, scoring) on this world, with a shorter
 system prompt. Its prompts and search index come from the files prepare_data.py and build_index.py
-write, or, with data.train_path, data.val_path and data.index_dir empty, are made on the spot (the
+write, or, with data.train_path, data.val_path and task.index_dir empty, are made on the spot (the
 same world, split and MiniLM encoder: nothing to prepare by hand). prepare() also writes the corpus
 (OUT/corpus.jsonl) for build_index.py and the demo tiny model's pretraining text: passages and
 search conversations from scrambled copies of the world, which teach how the world is written and
@@ -29,14 +29,23 @@ searched but none of its facts. There are scripted demonstrations for a warm sta
 import json
 import os
 import random
+from dataclasses import dataclass
 
 from nanoagent.data import load_prompts, write_prompts
+from nanoagent.keys import opt
 from nanoagent.retriever import InMemoryRetriever, load_encoder, packaged_minilm_path
 from nanoagent.tasks.hotpotqa import QUESTION, qa_row, score  # noqa: F401 (the task interface)
 from nanoagent.tools import format_passages, make_tools, parse_tool_calls, search_tool
 
 # HotpotQA's instructions in a few words: a tiny model learning from scratch must find the question in its prompt
 SYSTEM_PROMPT = "Search for the entities in the question, as often as you need, then reply <answer>the answer</answer>."
+
+
+@dataclass
+class Knobs:
+    index_dir: str = opt("", "search index from build_index.py (empty: the world's passages, indexed on the spot)")
+    search_top_k: int = opt(3, "passages returned by one search call", low=1)
+
 
 ONSETS = ["b", "br", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "tr", "v", "z"]
 VOWELS = ["a", "e", "i", "o", "u", "a", "e", "o"]
@@ -189,12 +198,12 @@ def prompts(cfg, split):
 
 
 def tools(cfg):
-    """Search over the index build_index.py wrote into data.index_dir, or, for an empty data.index_dir,
+    """Search over the index build_index.py wrote into task.index_dir, or, for an empty task.index_dir,
     over the world's passages indexed here with the packaged MiniLM (build_index.py's encoder)."""
-    if cfg.data.index_dir:
-        return make_tools(["search"], cfg.data.index_dir, top_k=cfg.rollout.search_top_k)
+    if cfg.task.index_dir:
+        return make_tools(["search"], cfg.task.index_dir, top_k=cfg.task.search_top_k)
     encoder = load_encoder(packaged_minilm_path())
-    return [search_tool(InMemoryRetriever(passages(make_world()), encoder), cfg.rollout.search_top_k)]
+    return [search_tool(InMemoryRetriever(passages(make_world()), encoder), cfg.task.search_top_k)]
 
 
 SCRAMBLED_COPIES, DIALOGUES_PER_COPY = 20, 400

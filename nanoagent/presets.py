@@ -1,0 +1,92 @@
+"""
+Presets: named lists of config overrides (--config=NAME), applied before the command line's and checked
+the same way (nanoagent/config.py).
+"""
+
+PRESETS = {
+    # CPU, offline: the tiny random model on arithmetic with the calculator, no data files (tests, the
+    # README's CPU runs)
+    "tiny": [
+        "model=tiny", "steps=20", "run_dir=out/tiny", "data.task=arithmetic", "data.max_prompt_tokens=768",
+        "task.num_val=32", "rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.max_turns=3",
+        "rollout.max_new_tokens=48", "rollout.max_context_tokens=1536", "rollout.max_obs_tokens=128",
+        "rollout.dtype=float32", "rollout.compile=false", "rollout.tool_timeout_s=5",
+        "ppo.mini_batch_size=16", "ppo.critic_lr=1e-4", "train.lr=1e-4", "train.micro_batch_tokens=4096",
+        "train.dtype=float32", "train.activation_checkpointing=false", "train.save_every=0",
+        "train.warm_start_steps=0", "eval.every=0", "eval.num_prompts=32",
+    ],
+    # make demo (CPU, minutes): a tiny model whose tokenizer knows the synthetic world's words, pretrained on
+    # scrambled copies of the world (make demo builds it into out/demo/model), warm-started by imitation of a
+    # demonstrator that mostly guesses, then GRPO on EM alone
+    "demo": [
+        "model=out/demo/model", "algo=grpo", "steps=10", "run_dir=out/demo/run", "resume=never",
+        "data.task=synthetic", "data.train_path=out/demo/data/train.parquet",
+        "data.val_path=out/demo/data/val.parquet", "task.index_dir=out/demo/data/index",
+        "data.max_prompt_tokens=512", "rollout.prompts_per_step=16", "rollout.group_size=4",
+        "rollout.max_turns=4", "rollout.max_new_tokens=48", "rollout.max_context_tokens=1024",
+        "rollout.max_obs_tokens=128", "task.search_top_k=1", "rollout.dtype=float32", "rollout.compile=false",
+        "rollout.tool_timeout_s=10", "ppo.mini_batch_size=16", "train.lr=3e-4",
+        "train.micro_batch_tokens=8192", "train.dtype=float32", "train.activation_checkpointing=false",
+        "train.save_every=0", "train.warm_start_steps=60", "train.warm_start_lr=1e-3",
+        "reward.format_weight=0.0", "eval.every=5", "eval.num_prompts=100",
+    ],
+    # make demo-textworld (CPU, minutes): a tiny model whose tokenizer knows the games' words, pretrained on
+    # the texts prepare_data.py writes from other games (make demo-textworld builds it into
+    # out/demo-textworld/model), warm-started by imitation of a player who looks around before every move,
+    # then GRPO on the progress along the way and the win, with 5 turns for quests of 3 steps
+    "demo-textworld": [
+        "model=out/demo-textworld/model", "algo=grpo", "steps=20", "run_dir=out/demo-textworld/run",
+        "resume=never", "data.task=textworld", "data.train_path=out/demo-textworld/data/train.parquet",
+        "data.val_path=out/demo-textworld/data/val.parquet", "data.max_prompt_tokens=512",
+        "rollout.prompts_per_step=16", "rollout.group_size=4", "rollout.max_turns=5",
+        "rollout.max_new_tokens=16", "rollout.max_context_tokens=2048", "rollout.max_obs_tokens=128",
+        "rollout.dtype=float32", "rollout.compile=false", "ppo.mini_batch_size=64", "train.lr=5e-4",
+        "train.micro_batch_tokens=8192", "train.dtype=float32", "train.activation_checkpointing=false",
+        "train.save_every=0", "train.warm_start_steps=60", "train.warm_start_lr=1e-3", "eval.every=5",
+        "eval.num_prompts=32",
+    ],
+    # make demo-smollm2 (CPU, ~33 minutes): the real SmolLM2-135M-Instruct on make demo's synthetic world, its
+    # prompts and index made on the spot, its tools in nanoagent's Hermes fallback; a warm start imitating the
+    # same demonstrator (it mostly guesses: RL must find that searching, and searching twice, pays), then GRPO
+    # at a small learning rate
+    "demo-smollm2": [
+        "model=smollm2-135m", "algo=grpo", "steps=15", "run_dir=out/demo-smollm2/run", "resume=never",
+        "data.task=synthetic", "data.train_path=", "data.val_path=", "task.index_dir=",
+        "data.max_prompt_tokens=512", "rollout.prompts_per_step=8", "rollout.group_size=4",
+        "rollout.max_turns=4", "rollout.max_new_tokens=48", "rollout.max_context_tokens=1024",
+        "rollout.max_obs_tokens=128", "task.search_top_k=1", "rollout.dtype=float32", "rollout.compile=false",
+        "rollout.tool_timeout_s=10", "ppo.mini_batch_size=8", "train.lr=2e-5",
+        "train.micro_batch_tokens=1024", "train.dtype=float32", "train.activation_checkpointing=false",
+        "train.save_every=0", "train.warm_start_steps=12", "train.warm_start_lr=1e-4",
+        "train.warm_start_batch_size=8", "reward.format_weight=0.0", "eval.every=5", "eval.num_prompts=64",
+    ],
+    # one GPU node: Qwen2.5-3B-Instruct on HotpotQA with search over Wikipedia (make speedrun)
+    "hotpotqa": [
+        "model=Qwen/Qwen2.5-3B-Instruct", "algo=grpo", "steps=200", "run_dir=out/hotpotqa",
+        "data.task=hotpotqa", "data.train_path=data/hotpotqa/train.parquet",
+        "data.val_path=data/hotpotqa/val.parquet", "task.index_dir=data/hotpotqa/index", "reward.metric=em",
+        "reward.format_weight=0.1", "rollout.prompts_per_step=128", "rollout.group_size=5",
+        "rollout.max_turns=4", "rollout.max_new_tokens=512", "rollout.max_context_tokens=6144",
+        "train.lr=1e-6", "eval.every=20", "eval.num_prompts=500",
+    ],
+    # one GPU node: Qwen2.5-1.5B-Instruct playing TextWorld games, one command a turn (prepare_data.py
+    # --task=textworld)
+    "textworld": [
+        "model=Qwen/Qwen2.5-1.5B-Instruct", "algo=grpo", "steps=100", "run_dir=out/textworld",
+        "data.task=textworld", "data.train_path=data/textworld/train.parquet",
+        "data.val_path=data/textworld/val.parquet", "data.max_prompt_tokens=1024",
+        "rollout.prompts_per_step=64", "rollout.group_size=8", "rollout.max_turns=12",
+        "rollout.max_new_tokens=32", "rollout.max_context_tokens=4096", "rollout.max_obs_tokens=256",
+        "train.lr=1e-6", "eval.every=10", "eval.num_prompts=64",
+    ],
+    # one GPU: GSM8K with the calculator, Agent-R1 v0's tool example (its reward asks for <think> in every
+    # turn)
+    "gsm8k": [
+        "model=Qwen/Qwen2.5-3B-Instruct", "algo=grpo", "steps=200", "run_dir=out/gsm8k", "data.task=gsm8k",
+        "data.train_path=data/gsm8k/train.parquet", "data.val_path=data/gsm8k/val.parquet",
+        "reward.require_think=true", "rollout.prompts_per_step=128", "rollout.group_size=5",
+        "rollout.max_turns=8", "rollout.max_new_tokens=512", "rollout.max_context_tokens=4096",
+        "train.lr=1e-6", "train.kl_mode=loss", "train.kl_coef=0.001", "eval.every=20",
+        "eval.num_prompts=1319",
+    ],
+}

@@ -26,7 +26,7 @@ One step, top to bottom:
   4. advantages (algo): GAE over action tokens, or over turns with ppo.credit=step (ppo); the
      outcome against a baseline plus the process rewards still to come, unnormalised (grpo, rloo,
      reinforce); or REINFORCE++'s returns, whitened over the batch;
-  5. PPO epochs over mini-batches: clipped policy loss, with a ratio per token or (GSPO) per
+  5. PPO epochs over mini-batches (nanoagent/update.py): clipped policy loss, a ratio per token or (GSPO) per
      sequence or step (+ k3 KL loss, entropy bonus, truncated importance weights) and clipped
      value loss, each a global mean across micro-batches and ranks (of tokens, trajectories or
      turns); a non-finite loss or gradient skips the update;
@@ -36,7 +36,6 @@ One step, top to bottom:
 import argparse
 import math
 import os
-import random
 import signal
 import sys
 import time
@@ -47,11 +46,13 @@ from transformers import AutoTokenizer
 
 from nanoagent import rl
 from nanoagent.agent import run_agent
-from nanoagent.batch import balance_groups, group_tokens, micro_steps, step_batch, unpack
-from nanoagent.checkpoint import check_resume, export_hf, load_latest, resume_checkpoint, save_checkpoint, start_fresh
+from nanoagent.batch import balance_groups, group_tokens, step_batch
+from nanoagent.checkpoint import (check_resume, export_hf, load_latest, resume_checkpoint, save_checkpoint,
+                                  start_fresh)
 from nanoagent.common import (MetricsLog, all_reduce, exit_now, init_distributed, print0, seed_everything,
                               stop_on_signals)
-from nanoagent.config import PRESETS, ConfigError, format_config, make_config, reference, save_config, to_dict
+from nanoagent.config import ConfigError, format_config, make_config, reference, save_config, to_dict
+from nanoagent.presets import PRESETS
 from nanoagent.data import step_prompts
 from nanoagent.engine import SamplingConfig, make_engine, pad_token_id
 from nanoagent.hub import resolve_model
@@ -60,10 +61,12 @@ from nanoagent.metrics import evaluate, idle_stop, step_line, step_metrics
 from nanoagent.model import (build_models, critic_forward, forward_all, full_tensors, old_policy_forward,
                              policy_forward)
 from nanoagent.tasks import load_task, task_data
+from nanoagent.update import get_lr, ppo_epochs, set_hyperparameters
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, epilog=reference(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, epilog=reference(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help=f"preset: {', '.join(PRESETS)} (default: none)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, dotted keys")
     args = parser.parse_args(argv)
@@ -72,24 +75,84 @@ def parse_args(argv):
     except ConfigError as e:
         parser.error(str(e))
     if cfg.rollout.tensor_parallel_size != 1:
-        parser.error(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size}: train.py takes 1 only. vLLM's external "
-                     "launcher needs every rank of a tensor-parallel group to submit identical requests, and each rank here "
-                     "rolls out its own prompts with its own seeds; use one engine per rank (a 7B model fits one GPU)")
+        parser.error(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size}: train.py takes 1 "
+                     "only. vLLM's external launcher needs every rank of a tensor-parallel group to submit "
+                     "identical requests, and each rank here rolls out its own prompts with its own seeds; "
+                     "use one engine per rank (a 7B model fits one GPU)")
     return cfg
+
+
+# -----------------------------------------------------------------------------
+# the rewards and the logprobs
+
+def score_and_batch(task, trajs, pad_id, cfg, world):
+    """
+    The task scores each trajectory; the StepData's rows carry the rewards on the action tokens that train.
+    With several ranks, whole groups then move between them so that each trains on about as many tokens,
+    and this rank's StepData is made again from the trajectories it holds after the move.
+    """
+    for t in trajs:
+        task.score(t, cfg)
+    data = step_batch(trajs, pad_id, cfg)
+    if cfg.train.balance_ranks and world > 1:
+        costs = group_tokens(data.batch, data.kept, data.scores["group"])
+        data = step_batch(balance_groups(trajs, costs, cfg.rollout.group_size), pad_id, cfg)
+    return data
+
+
+def logprobs_before_update(policy, ref, data, on_policy, cfg, device):
+    """
+    [R, L] each, on the trained rows: the policy's logprobs before the update and the same within the
+    rollout's top-p nucleus (as the engine reports them: engine_logprob_diff), None when the update is
+    exactly on-policy (its own forward gives them); the reference's, None without a reference.
+    """
+    batch, kept, budget = data.batch, data.kept, cfg.train.micro_batch_tokens
+    temperature, top_p = cfg.rollout.temperature, cfg.rollout.top_p
+    old = nucleus = ref_logprobs = None
+    if not on_policy:
+        both = forward_all(lambda *packed: old_policy_forward(policy, *packed, temperature, top_p),
+                           batch, kept, budget, device, per_token=(2,))
+        old, nucleus = both.unbind(-1)
+    if ref is not None:
+        ref_logprobs = forward_all(lambda *packed: policy_forward(ref, *packed, temperature)[0],
+                                   batch, kept, budget, device)
+    return old, nucleus, ref_logprobs
 
 
 # -----------------------------------------------------------------------------
 # the advantages
 
-def critic_free_advantages(batch, rewards, process, scores, cfg):
+def gae_advantages(critic, data, rewards, cfg, device):
     """
-    [R, L] the advantages of the estimators without a critic, on the trained action tokens (step_batch's
-    rewards, with -kl_coef * k1 in them under kl_mode=reward, and process): the outcome against a baseline
-    of the counted trajectories (grpo: its group's mean and std; rloo: the mean of its group's others;
-    reinforce: the batch mean) plus the process rewards still to come; REINFORCE++: discounted token
-    returns, or every reward of the trajectory minus its group's mean, whitened over the trained tokens.
+    ppo: [R, L] advantages, values, returns and value_mask: GAE over the critic's values, per action token
+    or (ppo.credit=data) per turn, whitened over the action tokens or the steps of all ranks.
     """
-    mask, owner, steps = batch["action_mask"], batch["trajectory"], batch["steps"]
+    batch, mask = data.batch, data.batch["action_mask"]
+    values = forward_all(lambda *packed: critic_forward(critic, *packed), batch, data.kept,
+                         cfg.train.micro_batch_tokens, device)
+    if cfg.ppo.credit == "token":  # a value per action token
+        value_mask = mask
+        advantages, returns = rl.masked_gae(rewards, values * mask, mask, cfg.ppo.gamma, cfg.ppo.lam)
+    else:  # a value per turn: the critic's at the last token before the action, aligned at the action's first
+        advantages, returns, value_mask = rl.step_gae(rewards, values, mask, batch["steps"], cfg.ppo.gamma,
+                                                      cfg.ppo.lam)
+    if cfg.ppo.whiten_advantages:
+        over = value_mask if cfg.ppo.whiten_over == "steps" else mask
+        advantages = rl.whiten(advantages, mask, over, all_reduce)
+    return advantages, values * value_mask, returns, value_mask
+
+
+def critic_free_advantages(data, rewards, cfg):
+    """
+    [R, L] the advantages of the estimators without a critic, on the trained action tokens (the step's
+    rewards, with -kl_coef * k1 in them under kl_mode=reward, and its process rewards): the outcome
+    against a baseline of the counted trajectories (grpo: its group's mean and std; rloo: the mean of its
+    group's others; reinforce: the batch mean) plus the process rewards still to come; REINFORCE++:
+    discounted token returns, or every reward of the trajectory minus its group's mean, whitened over the
+    trained tokens.
+    """
+    mask, owner, steps = data.batch["action_mask"], data.batch["trajectory"], data.batch["steps"]
+    scores, process = data.scores, data.process
     outcomes, groups, counted = scores["outcome"], scores["group"], scores["counted"]
     if cfg.algo == "reinforce_plus_plus":
         returns = rl.discounted_returns(rewards, mask, steps, cfg.ppo.gamma)
@@ -114,149 +177,68 @@ def critic_free_advantages(batch, rewards, process, scores, cfg):
 
 
 # -----------------------------------------------------------------------------
-# the update
+# the run
 
-def loss_units(batch, cfg):
-    """[R, L] each token's unit in train.loss_agg's mean: its step (step_mean_token_mean), else its trajectory."""
-    return batch["step"] if cfg.train.loss_agg == "step_mean_token_mean" else batch["trajectory"][:, None].expand_as(batch["action_mask"])
-
-
-def get_lr(step, base_lr, warmup_steps):
-    """The learning rate at a training step: a linear warm-up over the first warmup_steps, then constant."""
-    return base_lr * min(1.0, (step + 1) / max(1, warmup_steps))
-
-
-def set_hyperparameters(optimizers, step, cfg):
-    """The optimizers' learning rate and weight decay at a step, from the config in effect: a resumed
-    optimizer comes back with the values it was saved with."""
-    for name, optimizer in optimizers.items():
-        for group in optimizer.param_groups:
-            group["lr"] = get_lr(step, cfg.train.lr if name == "policy" else cfg.ppo.critic_lr, cfg.train.warmup_steps)
-            group["weight_decay"] = cfg.train.weight_decay
+def check_run(cfg, world):
+    """The checks a run makes before it builds anything: the batch sizes against the ranks, and with
+    resume=auto the latest complete checkpoint (returned, or None) against this config: the keys a
+    resume may change are applied and printed, a change of a fixed one is refused."""
+    sizes = (cfg.rollout.prompts_per_step, cfg.ppo.mini_batch_size, cfg.train.warm_start_batch_size)
+    if any(n % world for n in sizes):
+        raise ConfigError(f"rollout.prompts_per_step, ppo.mini_batch_size and train.warm_start_batch_size "
+                          f"{sizes} must each be a multiple of the number of ranks ({world})")
+    checkpoint = resume_checkpoint(cfg.run_dir) if cfg.resume == "auto" else None
+    for change in check_resume(checkpoint, cfg) if checkpoint else []:
+        print0(f"resume changes {change}")
+    print0(format_config(cfg))
+    return checkpoint
 
 
-def optimizer_step(model, optimizer, loss_sum, grad_clip):
-    """Clip and step, unless the loss or the gradient norm is not finite on any rank: then the
-    gradients are dropped and the step is skipped. Returns (grad_norm, skipped)."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()  # the same on every rank
-    [loss] = all_reduce([loss_sum])
-    finite = math.isfinite(loss) and math.isfinite(grad_norm)
-    if finite:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm, float(not finite)
+def resume_or_warm_start(cfg, task, env, train_rows, models, optimizers, ref, rank, world, device):
+    """Resume from the latest complete checkpoint (resume=auto), else warm-start the policy by imitation of
+    the task's demonstrations (train.warm_start_steps), saved to run_dir/warm_start, which becomes the KL
+    reference. Returns (the checkpoint or None, the step to start from, the reference)."""
+    resumed = load_latest(cfg.run_dir, models, optimizers) if cfg.resume == "auto" else (None, 0, None)
+    checkpoint, start_step, _ = resumed
+    if checkpoint:
+        print0(f"resumed from {checkpoint} at step {start_step}")
+    elif cfg.train.warm_start_steps:
+        if task.demonstration is None:
+            raise ConfigError(f"train.warm_start_steps > 0 but data.task={cfg.data.task} has no "
+                              "demonstrations")
+        warm_dir = os.path.join(cfg.run_dir, "warm_start")
+        ref = imitate(models["policy"], env, train_rows, task.demonstration, warm_dir, cfg, rank, world,
+                      device)
+    return checkpoint, start_step, ref
 
 
-def ppo_epochs(models, optimizers, batch, kept, n_mini, policy_moves, on_policy, cfg, step, rank, world, device):
-    """
-    PPO epochs over n_mini mini-batches of the kept rows (a trajectory's rows stay in one mini-batch): the
-    critic's step, then the policy's (policy_moves: not in the critic's warm-up). Every rank takes the n_mini
-    optimizer steps (collectives); one with no rows runs zero-weight passes. Returns [(shares, globals)] each.
-    """
-    rows_of = {}  # trajectory -> its kept rows
-    for row in kept:
-        rows_of.setdefault(batch["trajectory"][row].item(), []).append(row)
-    policy_updates, critic_updates = [], []
-    order_rng = random.Random(f"{cfg.seed}-{step}-{rank}")
-    for epoch in range(cfg.ppo.epochs):
-        order = list(rows_of)
-        order_rng.shuffle(order)
-        for m in range(n_mini):
-            rows = [row for i in order[m * len(order) // n_mini:(m + 1) * len(order) // n_mini] for row in rows_of[i]]
-            if "critic" in models:
-                critic_updates.append(update_critic(models["critic"], optimizers["critic"], batch, rows, cfg, world, device))
-            if policy_moves:
-                policy_updates.append(update_policy(models["policy"], optimizers["policy"], batch, rows, on_policy, cfg, world, device))
-    return policy_updates, critic_updates
+def stopped(stop, when, step, saved_step, save):
+    """After a SIGTERM (a preemption) or a Ctrl-C on any rank: the checkpoint of `step` (unless it is
+    saved already), and the exit code 128 + the signal (143, 130: a run not finished); else 0."""
+    signum = int(all_reduce([stop["signal"]], "max")[0])
+    if signum:
+        if saved_step != step:
+            save(step)
+        print0(f"{signal.Signals(signum).name} during {when}: checkpoint of step {step} written, stopping")
+    return 128 + signum if signum else 0
 
-
-def update_policy(policy, optimizer, batch, rows, on_policy, cfg, world, device):
-    """One optimizer step of the policy on a mini-batch (this rank's rows). on_policy: the step's only update, so the old
-    logprobs are this forward's, detached (ratio 1), and written into the batch. Returns (shares, globals): this rank's
-    share of each loss statistic (they add up over ranks) and the values every rank already agrees on."""
-    global_tokens, global_units, unit_tokens = rl.unit_counts(batch["action_mask"], loss_units(batch, cfg), rows, all_reduce)
-    shares = {"pg_loss": 0.0, "clipfrac": 0.0, "approx_kl": 0.0, "entropy": 0.0, "kl_loss": 0.0}
-    for layout, get in micro_steps({**batch, "unit_tokens": unit_tokens}, rows, cfg.train.micro_batch_tokens, device):
-        actions = get("action_mask")
-        mask = actions * (1.0 if layout.rows else 0.0)
-        logprobs, entropy, nucleus = policy_forward(policy, get("input_ids"), get("position_ids"), actions > 0, cfg.rollout.temperature,
-                                                    cfg.rollout.top_p if on_policy else None)
-        if on_policy:
-            old_logprobs = logprobs.detach()
-            unpack(old_logprobs, layout, batch["old_logprobs"])
-            unpack(nucleus, layout, batch["nucleus_logprobs"])
-        else:
-            old_logprobs = get("old_logprobs")
-        # GSPO: one ratio per row (ppo.ratio=sequence) or per step
-        segments = None if cfg.ppo.ratio == "token" else get("step") if cfg.ppo.ratio == "step" else get("row")
-        per_token, pg_stats = rl.ppo_policy_loss(logprobs, old_logprobs, get("advantages"), mask, cfg.ppo.clip_low,
-                                                 cfg.ppo.clip_high, cfg.ppo.clip_dual, segments)
-        if cfg.train.tis:  # the engine sampled from a slightly different distribution than the trainer computes
-            per_token = per_token * rl.truncated_is_weights(old_logprobs, get("rollout_logprobs"), mask, cfg.train.tis_cap)
-        if cfg.train.kl_mode == "loss":
-            kl = rl.kl_penalty(logprobs, get("ref_logprobs"), "k3")
-            per_token = per_token + cfg.train.kl_coef * kl
-            shares["kl_loss"] += rl.masked_sum(kl.detach(), mask).item() / global_tokens
-        if cfg.train.entropy_coef:  # otherwise the entropy is only logged, and no gradient flows through it
-            per_token = per_token - cfg.train.entropy_coef * entropy
-        loss = rl.aggregate_loss(per_token, mask, cfg.train.loss_agg, global_tokens, global_units, get("unit_tokens"))
-        (loss * world).backward()  # FSDP averages rank gradients; the loss is already a global mean
-        n = mask.sum().item() / global_tokens
-        shares["pg_loss"] += loss.item()
-        shares["clipfrac"] += pg_stats["clipfrac"].item() * n
-        shares["approx_kl"] += pg_stats["approx_kl"].item() * n
-        shares["entropy"] += rl.masked_sum(entropy.detach(), mask).item() / global_tokens
-    grad_norm, skipped = optimizer_step(policy, optimizer, shares["pg_loss"], cfg.train.grad_clip)
-    return shares, {"grad_norm": grad_norm, "skipped": skipped}
-
-
-def update_critic(critic, optimizer, batch, rows, cfg, world, device):
-    """One optimizer step of the critic on a mini-batch: clipped value loss where value_mask is 1 (action tokens; with
-    ppo.credit=step each step's first, where its value is read), a global mean. Returns (shares, globals)."""
-    global_tokens, global_units, unit_tokens = rl.unit_counts(batch["value_mask"], loss_units(batch, cfg), rows, all_reduce)
-    shares = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
-    for layout, get in micro_steps({**batch, "unit_tokens": unit_tokens}, rows, cfg.train.micro_batch_tokens, device):
-        read = get("value_mask")
-        mask = read * (1.0 if layout.rows else 0.0)
-        values = critic_forward(critic, get("input_ids"), get("position_ids"), read > 0)
-        per_token, vf_stats = rl.clipped_value_loss(values, get("values"), get("returns"), mask, cfg.ppo.value_clip)
-        loss = rl.aggregate_loss(per_token, mask, cfg.train.loss_agg, global_tokens, global_units, get("unit_tokens"))
-        (loss * world).backward()
-        shares["vf_loss"] += loss.item()
-        shares["vf_clipfrac"] += vf_stats["vf_clipfrac"].item() * mask.sum().item() / global_tokens
-    grad_norm, skipped = optimizer_step(critic, optimizer, shares["vf_loss"], cfg.train.grad_clip)
-    return shares, {"vf_grad_norm": grad_norm, "vf_skipped": skipped}
-
-
-# -----------------------------------------------------------------------------
 
 def main(argv=None):
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
     model_path = resolve_model(cfg.model, "train.py")  # before the process group: see resolve_model
     rank, world, device = init_distributed()
     seed_everything(cfg.seed + rank)
-    per_rank = cfg.rollout.prompts_per_step // world
-    sizes = (cfg.rollout.prompts_per_step, cfg.ppo.mini_batch_size, cfg.train.warm_start_batch_size)
-    if any(n % world for n in sizes):
-        raise ConfigError(f"rollout.prompts_per_step, ppo.mini_batch_size and train.warm_start_batch_size "
-                          f"{sizes} must each be a multiple of the number of ranks ({world})")
-    # resume=auto continues from the latest complete checkpoint, with this command line's config where a key
-    # may change (checkpoint.CHANGEABLE); resume=never starts anew (the old run moved aside once all is built)
-    checkpoint = resume_checkpoint(cfg.run_dir) if cfg.resume == "auto" else None
-    for change in check_resume(checkpoint, cfg) if checkpoint else []:
-        print0(f"resume changes {change}")
-    print0(format_config(cfg))
+    checkpoint = check_run(cfg, world)
 
     # the task, the models, the rollout engine (colocated in this process)
     task, tokenizer = load_task(cfg.data.task), AutoTokenizer.from_pretrained(model_path)
     train_rows, val_rows, env = task_data(task, cfg, tokenizer)
     warm_dir = os.path.join(cfg.run_dir, "warm_start")  # the warm-started policy: RL's start and KL reference
     models, ref, optimizers = build_models(cfg, model_path, warm_dir if checkpoint else None, device)
-    policy, critic = models["policy"], models.get("critic")
-    engine = make_engine(cfg.rollout.engine, model_path, tokenizer, cfg.rollout.max_context_tokens, cfg.rollout.dtype,
-                         cfg.rollout.gpu_memory_utilization, cfg.rollout.tensor_parallel_size, cfg.seed + rank, cfg.rollout.compile)
-    sampling = SamplingConfig(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p)
+    policy, critic, r = models["policy"], models.get("critic"), cfg.rollout
+    engine = make_engine(r.engine, model_path, tokenizer, r.max_context_tokens, r.dtype,
+                         r.gpu_memory_utilization, r.tensor_parallel_size, cfg.seed + rank, r.compile)
+    sampling = SamplingConfig(r.max_new_tokens, r.temperature, r.top_p)
     # everything is built: only now is the run folder touched (a start that failed leaves it as it was)
     if cfg.resume == "never" and (aside := start_fresh(cfg.run_dir)):
         print0(f"resume=never: the run in {cfg.run_dir} was moved aside to {aside}")
@@ -265,27 +247,23 @@ def main(argv=None):
         save_config(cfg, os.path.join(cfg.run_dir, "config.json"))  # the config in effect
 
     # resume, or warm start by imitation; then the engine gets the policy's weights
-    checkpoint, start_step, _ = load_latest(cfg.run_dir, models, optimizers) if cfg.resume == "auto" else (None, 0, None)
-    if checkpoint:
-        print0(f"resumed from {checkpoint} at step {start_step}")
-    elif cfg.train.warm_start_steps:
-        if task.demonstration is None:
-            raise ConfigError(f"train.warm_start_steps > 0 but data.task={cfg.data.task} has no demonstrations")
-        ref = imitate(policy, env, train_rows, task.demonstration, warm_dir, cfg, rank, world, device)
+    checkpoint, start_step, ref = resume_or_warm_start(cfg, task, env, train_rows, models, optimizers, ref,
+                                                       rank, world, device)
     engine.load_weights(full_tensors(policy))
-    log = MetricsLog(cfg.run_dir, start_step if checkpoint else None, to_dict(cfg), cfg.log.wandb, cfg.log.wandb_project)
-    if cfg.eval.every and not checkpoint:  # where RL starts from (a checkpoint of step 0, after a SIGTERM, has it logged)
+    log = MetricsLog(cfg.run_dir, start_step if checkpoint else None, to_dict(cfg), cfg.log.wandb,
+                     cfg.log.wandb_project)
+    if cfg.eval.every and not checkpoint:  # where RL starts from (a checkpoint of step 0 has it logged)
         metrics = {"step": 0, **evaluate(engine, env, task, val_rows, cfg, rank, world)}
         print0("step    0 | " + " | ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k != "step"))
         log.log(metrics)
-    # A SIGTERM (a preemption) or a Ctrl-C is acted on at the next safe point, after the rollout or the
-    # update, on every rank together: checkpoint, then exit 128 + the signal (143, 130: a run not finished)
+    # a SIGTERM or a Ctrl-C is acted on at the next safe point, after the rollout or the update, on every rank
     stop = stop_on_signals()
     saved_step, idle = start_step if checkpoint else None, 0  # idle: steps in a row that trained nothing
 
     def save(step):
-        path = save_checkpoint(cfg.run_dir, step, models, optimizers, {"data_position": step * cfg.rollout.prompts_per_step},
-                               to_dict(cfg), cfg.train.keep_last)
+        position = {"data_position": step * r.prompts_per_step}
+        path = save_checkpoint(cfg.run_dir, step, models, optimizers, position, to_dict(cfg),
+                               cfg.train.keep_last)
         print0(f"checkpoint: {path}")
         return step
 
@@ -294,64 +272,45 @@ def main(argv=None):
         t0 = time.perf_counter()
         set_hyperparameters(optimizers, step, cfg)
         # 1. rollout: G samples of each of this rank's prompts, multi-turn in the task's environment
+        per_rank = r.prompts_per_step // world
         prompts = step_prompts(train_rows, step, per_rank, rank, world, cfg.seed, cfg.data.shuffle)
         engine.wake()
-        trajs = run_agent(engine, env, [p for p in prompts for _ in range(cfg.rollout.group_size)], sampling, cfg.rollout.max_turns,
-                          cfg.rollout.max_context_tokens, seed=cfg.seed * 100_003 + step * world + rank)
+        samples = [p for p in prompts for _ in range(r.group_size)]
+        trajs = run_agent(engine, env, samples, sampling, r.max_turns, r.max_context_tokens,
+                          seed=cfg.seed * 100_003 + step * world + rank)
         engine.sleep()
         # a SIGTERM or Ctrl-C: the rollout is dropped, and the state this step started from is saved
-        if (stopping := int(all_reduce([stop["signal"]], "max")[0])):
-            name = signal.Signals(stopping).name
-            print0(f"{name} during step {step + 1}'s rollout: checkpoint of step {step}, stopping")
-            if saved_step != step:
-                save(step)
-            return 128 + stopping
-        # 2. rewards: the task scores each trajectory (its outcome); rewards sit on action tokens
-        for t in trajs:
-            task.score(t, cfg)
-        batch, rewards, process, scores, kept, dropped = step_batch(trajs, pad_token_id(tokenizer), cfg)
-        if cfg.train.balance_ranks and world > 1:  # whole groups move between ranks so that each trains on
-            # about as many tokens; the batch is then made again from the trajectories this rank now holds
-            trajs = balance_groups(trajs, group_tokens(batch, kept, scores["group"]), cfg.rollout.group_size)
-            batch, rewards, process, scores, kept, dropped = step_batch(trajs, pad_token_id(tokenizer), cfg)
-        owner, mask = batch["trajectory"], batch["action_mask"]
+        if (code := stopped(stop, f"step {step + 1}'s rollout", step, saved_step, save)):
+            return code
+        # 2. rewards: the task scores each trajectory; rewards sit on the action tokens that train
+        data = score_and_batch(task, trajs, pad_token_id(tokenizer), cfg, world)
+        batch, mask, rewards = data.batch, data.batch["action_mask"], data.rewards
         t1 = time.perf_counter()
-        # 3. old logprobs (and renormalised over the top_p nucleus, as the engine reports them: engine_logprob_diff), unless the
-        # update is exactly on-policy (one epoch of one mini-batch, no KL in the reward): then its own forward gives them
-        [trained] = all_reduce([len({owner[row].item() for row in kept})])  # trajectories, all ranks
+        # 3. logprobs before the update, unless it is exactly on-policy (one epoch of one mini-batch, no KL in
+        # the reward: then its own forward gives them), and the reference's
+        [trained] = all_reduce([len({batch["trajectory"][row].item() for row in data.kept})])  # all ranks
         n_mini = math.ceil(trained / cfg.ppo.mini_batch_size)
         policy_moves = cfg.algo != "ppo" or step >= cfg.ppo.critic_warmup_steps
         on_policy = cfg.ppo.epochs == 1 and n_mini <= 1 and cfg.train.kl_mode != "reward" and policy_moves
-        batch["old_logprobs"], batch["nucleus_logprobs"] = torch.zeros_like(mask), torch.zeros_like(mask)  # the update's, on-policy
-        if not on_policy:
-            old = forward_all(lambda *packed: old_policy_forward(policy, *packed, cfg.rollout.temperature, cfg.rollout.top_p), batch, kept,
-                              cfg.train.micro_batch_tokens, device, per_token=(2,))
-            batch["old_logprobs"], batch["nucleus_logprobs"] = old.unbind(-1)
-        if ref is not None:
-            batch["ref_logprobs"] = forward_all(lambda *packed: policy_forward(ref, *packed, cfg.rollout.temperature)[0], batch, kept,
-                                                cfg.train.micro_batch_tokens, device)
-        if cfg.train.kl_mode == "reward":  # ppo and reinforce_plus_plus(_baseline) only (config.validate): k1 on every action token
-            rewards = rewards - cfg.train.kl_coef * rl.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], "k1") * mask
+        old, nucleus, ref_logprobs = logprobs_before_update(policy, ref, data, on_policy, cfg, device)
+        batch["old_logprobs"], batch["nucleus_logprobs"], batch["ref_logprobs"] = old, nucleus, ref_logprobs
+        if cfg.train.kl_mode == "reward":  # ppo, reinforce_plus_plus(_baseline): k1 on every action token
+            rewards = rewards - cfg.train.kl_coef * rl.kl_penalty(old, batch["ref_logprobs"], "k1") * mask
         t2 = time.perf_counter()
-        # 4. advantages (algo): GAE over the critic's values, per action token or per turn (ppo); without a
-        # critic, the outcome against a baseline of the trajectories that count in it (an env_error counts
-        # nowhere) plus the process rewards still to come, or REINFORCE++'s returns (critic_free_advantages)
+        # 4. advantages (algo): GAE over the critic's values (ppo); without a critic, the outcome against a
+        # baseline of the trajectories that count in it plus the process rewards still to come, or REINFORCE++
         if cfg.algo == "ppo":
-            values = forward_all(lambda *packed: critic_forward(critic, *packed), batch, kept, cfg.train.micro_batch_tokens, device)
-            if cfg.ppo.credit == "token":  # a value per action token
-                batch["value_mask"], batch["values"] = mask, values * mask
-                advantages, batch["returns"] = rl.masked_gae(rewards, batch["values"], mask, cfg.ppo.gamma, cfg.ppo.lam)
-            else:  # a value per turn: the critic's at the last token before the action, aligned at the action's first
-                advantages, batch["returns"], batch["value_mask"] = rl.step_gae(rewards, values, mask, batch["steps"], cfg.ppo.gamma, cfg.ppo.lam)
-                batch["values"] = values * batch["value_mask"]
-            if cfg.ppo.whiten_advantages:  # over the action tokens, or the steps, of all ranks
-                advantages = rl.whiten(advantages, mask, batch["value_mask"] if cfg.ppo.whiten_over == "steps" else mask, all_reduce)
+            advantages, batch["values"], batch["returns"], batch["value_mask"] = gae_advantages(
+                critic, data, rewards, cfg, device)
         else:
-            advantages = critic_free_advantages(batch, rewards, process, scores, cfg)
+            advantages = critic_free_advantages(data, rewards, cfg)
         batch["advantages"] = advantages
-        # 5. PPO epochs over mini-batches of the kept trajectories: critic, then policy (after the critic's warm-up)
-        policy_updates, critic_updates = ppo_epochs(models, optimizers, batch, kept, n_mini, policy_moves, on_policy, cfg, step, rank, world, device)
-        kl = rl.kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], "k1") * mask if ref is not None else None  # logged
+        # 5. PPO epochs over mini-batches of the kept trajectories: critic, then policy (after its warm-up)
+        policy_updates, critic_updates, own_logprobs = ppo_epochs(
+            models, optimizers, data, n_mini, policy_moves, on_policy, cfg, step, rank, world, device)
+        if on_policy:  # the update's own forward gave the logprobs before it (for the metrics)
+            batch["old_logprobs"], batch["nucleus_logprobs"] = own_logprobs
+        kl = None if ref is None else rl.kl_penalty(batch["old_logprobs"], ref_logprobs, "k1") * mask
         t3 = time.perf_counter()
         # 6. the new weights into the engine; one line of metrics
         engine.wake(["weights"])
@@ -359,9 +318,10 @@ def main(argv=None):
         engine.wake(["kv_cache"])
         t4 = time.perf_counter()
         stopping = int(all_reduce([stop["signal"]], "max")[0])
-        metrics = step_metrics(step, trajs, dropped, batch, policy_updates, critic_updates, kl, [t0, t1, t2, t3, t4])
+        metrics = step_metrics(step, data.trajs, data.dropped, batch, policy_updates, critic_updates, kl,
+                               [t0, t1, t2, t3, t4])
         metrics["lr"] = get_lr(step, cfg.train.lr, cfg.train.warmup_steps)
-        metrics["trained"] = trained / (cfg.rollout.prompts_per_step * cfg.rollout.group_size)  # a fraction
+        metrics["trained"] = trained / (r.prompts_per_step * r.group_size)  # a fraction
         if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.steps) and not stopping:
             metrics.update(evaluate(engine, env, task, val_rows, cfg, rank, world))
         print0(step_line(metrics, cfg, start_step, time.perf_counter() - loop_start))
@@ -372,17 +332,16 @@ def main(argv=None):
         idle = idle + 1 if trained == 0 else 0
         idle_out = cfg.train.max_idle_steps and idle >= cfg.train.max_idle_steps
         every = cfg.train.save_every and (step + 1) % cfg.train.save_every == 0
-        if stopping or idle_out or step + 1 == cfg.steps or every:
+        if idle_out or step + 1 == cfg.steps or every:
             saved_step = save(step + 1)
         if idle_out:
             raise ConfigError(idle_stop(metrics, idle))
         if stopping:
-            name = signal.Signals(stopping).name
-            print0(f"{name} during step {step + 1}: checkpoint of step {step + 1} written, stopping")
-            return 128 + stopping
+            return stopped(stop, f"step {step + 1}", step + 1, saved_step, save)
 
     export_dir = os.path.join(cfg.run_dir, "hf")
-    export_hf(policy, tokenizer, export_dir, torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32)
+    dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
+    export_hf(policy, tokenizer, export_dir, dtype)
     print0(f"exported {export_dir} in {cfg.train.dtype}, every tensor checked against the trainer's")
     return 0
 

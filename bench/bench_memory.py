@@ -199,6 +199,7 @@ def train_stages(run_dir, overrides):
 
     mark("python, torch")
     import train
+    from nanoagent import update
     import vllm  # noqa: F401  (train.py imports it when the engine starts: counted here, not in the engine)
     mark("imports (train.py, transformers, vLLM)")
 
@@ -241,14 +242,14 @@ def train_stages(run_dir, overrides):
     train.make_engine = engine_with_marks
     wrap("build_models", "models and optimizers built (policy; critic, reference when used)")
     wrap("run_agent", "rollout")
-    optimizer_step = train.optimizer_step
+    optimizer_step = update.optimizer_step
 
     def step_with_marks(*args, **kwargs):
         mark("update: forward and backward of every micro-batch")
         out = optimizer_step(*args, **kwargs)
         mark("update: optimizer step (AdamW state on the first)")
         return out
-    train.optimizer_step = step_with_marks
+    update.optimizer_step = step_with_marks
     wrap("export_hf", "export (the HF folder)")
     code = train.main(TRAIN_ARGS + [f"run_dir={run_dir}"] + overrides)
     return code, stages

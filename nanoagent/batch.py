@@ -39,7 +39,7 @@ decreasing, a prompt's rows together where they fit, and every rank runs as many
 busiest (FSDP's forward and backward are collectives). Results come back to [R, L] exactly (unpack).
 """
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -153,13 +153,21 @@ def trained_rows(trajs, outcomes, process_size, groups, counted, cfg):
     return (~uniform & ~overlong & counted).float(), dropped
 
 
+@dataclass
+class StepData:
+    """A rank's share of a step, from its scored trajectories to the update (step_batch)."""
+    trajs: list            # B trajectories: group_size consecutive ones share a prompt
+    batch: dict            # the rows, the keys of the table above
+    rewards: torch.Tensor  # [R, L] outcome and tool-call rewards, on the action tokens that train
+    process: torch.Tensor  # [R, L] process rewards (a step's), on the action tokens that train
+    scores: dict           # [B] each: outcome, earned (its process rewards), group, counted, trained
+    kept: list             # the rows that train (the others: mask 0, no forward pass)
+    dropped: dict          # trajectories left out of the update, by reason
+
+
 def step_batch(trajs, pad_id, cfg):
-    """
-    The step's rows (collate: one per trajectory, or per turn with last_k); rewards and process [R, L]
-    on the action tokens that train (the others get mask 0 and no forward pass); scores, [B] per
-    trajectory: "outcome", "earned" (its process rewards summed), "group" (group_size consecutive
-    trajectories), "counted" (counted_in_baseline), "trained"; kept (the rows that train); dropped.
-    """
+    """The StepData of trajectories: their rows (collate: one per trajectory, or per turn with last_k), what
+    each token earns, which rows train (trained_rows) and which trajectories count in a baseline."""
     batch = collate(trajs, pad_id)
     owner = batch["trajectory"]
     rewards, process = token_rewards(trajs, batch, cfg.train.tool_call_reward)
@@ -172,7 +180,8 @@ def step_batch(trajs, pad_id, cfg):
     mask = batch["action_mask"] = batch["action_mask"] * keep[owner][:, None]
     scores = {"outcome": outcomes, "earned": earned, "group": groups, "counted": counted,
               "trained": keep > 0}
-    return batch, rewards * mask, process * mask, scores, keep[owner].nonzero().flatten().tolist(), dropped
+    kept = keep[owner].nonzero().flatten().tolist()
+    return StepData(trajs, batch, rewards * mask, process * mask, scores, kept, dropped)
 
 
 # -----------------------------------------------------------------------------

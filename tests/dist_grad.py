@@ -1,5 +1,5 @@
 """
-Run under torchrun (gloo): the gradient of one PPO update of the trainer (train.ppo_epochs) on a
+Run under torchrun (gloo): the gradient of one PPO update of the trainer (nanoagent.update.ppo_epochs) on a
 fixed batch, with FSDP2 over WORLD_SIZE ranks and packed micro-batches under `--micro-tokens`,
 training on the rows in `--keep` (all by default; rank r holds rows r, r + WORLD_SIZE, ...); with
 `--on-policy` the old logprobs come from the update's own forward. Rank 0 saves the full gradient,
@@ -10,6 +10,7 @@ same loss computed as before packing (tests/padded.py: padded rows, logits every
 import argparse
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -52,7 +53,7 @@ def grad_of(plain, rows, masks, advantages, indices, global_tokens, on_policy=Fa
 
 
 def main():
-    """The gradient of one policy update through train.ppo_epochs (SGD with lr 1, so the
+    """The gradient of one policy update through update.ppo_epochs (SGD with lr 1, so the
     parameter change is minus the gradient), with this rank's kept rows and micro-batch token budget."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -62,7 +63,7 @@ def main():
     parser.add_argument("--on-policy", action="store_true")
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import train
+    from nanoagent import update
     from nanoagent.config import make_config
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -78,12 +79,13 @@ def main():
     before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     kept = [i for i in range(rank, len(rows), world) if args.keep is None or i in args.keep]
-    [(shares, _)], _ = train.ppo_epochs({"policy": model}, {"policy": optimizer}, data, kept, 1, True, args.on_policy, cfg, 0, rank, world,
-                                        torch.device("cpu"))  # one mini-batch
+    step = SimpleNamespace(batch=data, kept=kept)  # what ppo_epochs reads of a StepData
+    [(shares, _)], _, own = update.ppo_epochs({"policy": model}, {"policy": optimizer}, step, 1, True, args.on_policy,
+                                             cfg, 0, rank, world, torch.device("cpu"))  # one mini-batch
     grads = {n: before[n] - p.full_tensor() for n, p in model.named_parameters()}
     metrics = reduce_metrics(shares, {})  # what train.py logs
-    old = data["old_logprobs"].clone()
-    dist.all_reduce(old)  # each rank wrote its own rows' (on-policy)
+    old = (own[0] if args.on_policy else data["old_logprobs"]).clone()
+    dist.all_reduce(old)  # each rank has its own rows' (on-policy)
     if rank == 0:
         torch.save({"grads": grads, "metrics": metrics, "old_logprobs": old}, args.out)
     dist.barrier()

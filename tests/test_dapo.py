@@ -106,8 +106,8 @@ def advantages(trajs, overrides):
     """Each trajectory's advantage (on its first action token) as train.py computes it, with groups of 4
     (the batch statistics are summed over a world of one: the process_group fixture)."""
     cfg = make_config("tiny", ["rollout.group_size=4", *overrides])
-    batch, rewards, process, scores, _, _ = step_batch(trajs, 0, cfg)
-    return train.critic_free_advantages(batch, rewards, process, scores, cfg)[:, 2].tolist()
+    step = step_batch(trajs, 0, cfg)
+    return train.critic_free_advantages(step, step.rewards, cfg)[:, 2].tolist()
 
 
 def whitened(centred):

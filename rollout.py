@@ -34,19 +34,25 @@ from nanoagent.hub import resolve_model
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, epilog=reference(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, epilog=reference(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="exported checkpoint folder, hub id, or 'tiny'")
-    parser.add_argument("--data", default=None, help="prompts: parquet from prepare_data.py, or JSONL with id, messages, answers "
-                                                     "(default: the task's held-out prompts)")
+    parser.add_argument("--data", default=None,
+                        help="prompts: parquet from prepare_data.py, or JSONL with id, messages, answers "
+                             "(default: the task's held-out prompts)")
     parser.add_argument("--out", default="out/rollouts.jsonl", help="trajectories, one JSON object per line")
-    parser.add_argument("--tools", default=None, help="comma-separated built-in tools: search, calculator, or empty for none (default: the task's)")
-    parser.add_argument("--index", default=None, help="search: index folder from build_index.py (default: the task's task.index_dir)")
+    parser.add_argument("--tools", default=None,
+                        help="comma-separated built-in tools: search, calculator, or empty for none "
+                             "(default: the task's)")
+    parser.add_argument("--index", default=None,
+                        help="search: index folder from build_index.py (default: the task's task.index_dir)")
     parser.add_argument("--limit", type=int, default=0, help="roll out only the first N prompts (0: all)")
     parser.add_argument("--batch-size", type=int, default=64, help="prompts rolled out together")
     parser.add_argument("--greedy", action="store_true", help="greedy decoding (evaluation)")
     parser.add_argument("--config", default=None,
                         help="preset to use (default: the run's config.json, else the defaults)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. rollout.max_turns=4")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="config overrides, e.g. rollout.max_turns=4")
     args = parser.parse_args(argv)
     try:
         cfg, source = load_run_config(args.model, args.config, args.overrides + [f"model={args.model}"])
@@ -65,23 +71,29 @@ def main(argv=None):
     if args.data:
         samples = load_prompts(args.data, args.limit, cfg.data.bad_prompts)
     else:
-        samples = check_prompts(task.prompts(cfg, "val"), cfg.data.bad_prompts, f"{cfg.data.task} val prompts")[:args.limit or None]
+        samples = check_prompts(task.prompts(cfg, "val"), cfg.data.bad_prompts,
+                                f"{cfg.data.task} val prompts")[:args.limit or None]
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    tools = None if args.tools is None else named_tools([t for t in args.tools.split(",") if t], cfg, args.index)
+    tools = None if args.tools is None else named_tools([t for t in args.tools.split(",") if t], cfg,
+                                                        args.index)
     try:
         env = task_env(task, cfg, tokenizer, tools)
-    except ConfigError as e:  # a chat template or tokenizer a rollout would fail on (ChatEnv.check)
+    # a chat template or tokenizer a rollout would fail on (ChatEnv.check)
+    except ConfigError as e:
         print(f"rollout.py: {model_path}: {e}", file=sys.stderr)
         return 2
-    engine = make_engine(cfg.rollout.engine, model_path, tokenizer, cfg.rollout.max_context_tokens, cfg.rollout.dtype,
-                         cfg.rollout.gpu_memory_utilization, cfg.rollout.tensor_parallel_size, cfg.seed, cfg.rollout.compile)
-    sampling = SamplingConfig(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, args.greedy)
+    engine = make_engine(cfg.rollout.engine, model_path, tokenizer, cfg.rollout.max_context_tokens,
+                         cfg.rollout.dtype, cfg.rollout.gpu_memory_utilization,
+                         cfg.rollout.tensor_parallel_size, cfg.seed, cfg.rollout.compile)
+    sampling = SamplingConfig(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p,
+                              args.greedy)
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     trajs, start = [], time.perf_counter()
     with open(args.out, "w") as f, tqdm(total=len(samples), desc="rollout", unit="prompt") as bar:
         for i in range(0, len(samples), args.batch_size):
-            batch = run_agent(engine, env, samples[i:i + args.batch_size], sampling, cfg.rollout.max_turns, cfg.rollout.max_context_tokens)
+            batch = run_agent(engine, env, samples[i:i + args.batch_size], sampling, cfg.rollout.max_turns,
+                              cfg.rollout.max_context_tokens)
             for t in batch:
                 task.score(t, cfg)
                 f.write(json.dumps(t.to_json(tokenizer)) + "\n")

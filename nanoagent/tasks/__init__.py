@@ -42,33 +42,39 @@ def load_task(name):
     if name.endswith(".py"):
         if not os.path.isfile(name):
             raise FileNotFoundError(f"task file {name!r} does not exist")
-        spec = importlib.util.spec_from_file_location(f"nanoagent_task_{os.path.basename(name)[:-3]}", name)
+        spec = importlib.util.spec_from_file_location(
+            f"nanoagent_task_{os.path.basename(name)[:-3]}", name)
         task = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(task)
     elif name in task_names():
         task = importlib.import_module(f"nanoagent.tasks.{name}")
     else:
-        raise ValueError(f"unknown task {name!r}; tasks: {', '.join(task_names())}, or a path to a task file (.py)")
-    missing = [attr for attr in ("SYSTEM_PROMPT", "QUESTION", "prompts", "score", "demonstration", "prepare") if not hasattr(task, attr)]
+        raise ValueError(f"unknown task {name!r}; tasks: {', '.join(task_names())}, "
+                         "or a path to a task file (.py)")
+    missing = [attr for attr in ("SYSTEM_PROMPT", "QUESTION", "prompts", "score", "demonstration", "prepare")
+               if not hasattr(task, attr)]
     if getattr(task, "tools", None) is None and getattr(task, "environment", None) is None:
         missing.append("tools or environment")
     if missing:
-        raise ValueError(f"task {name!r} does not define {', '.join(missing)} (nanoagent/tasks/__init__.py says what a task defines)")
+        raise ValueError(f"task {name!r} does not define {', '.join(missing)} "
+                         "(nanoagent/tasks/__init__.py says what a task defines)")
     return task
 
 
 def task_env(task, cfg, tokenizer, tools=None):
-    """The ChatEnv of a task under cfg.rollout, checked (ChatEnv.check): one of the task's environments per
-    trajectory, or tool calling over its tools (or over `tools`, when given: rollout.py's and chat.py's
-    --tools)."""
+    """The ChatEnv of a task under cfg.rollout, checked (ChatEnv.check): one of the task's environments
+    per trajectory, or tool calling over its tools (or over `tools`, when given: rollout.py's and
+    chat.py's --tools)."""
     r = cfg.rollout
     if tools is None and getattr(task, "environment", None) is not None:
         env = ChatEnv(task.environment(cfg), tokenizer, (), r.max_obs_tokens, r.context, r.keep_turns,
                       r.step_timeout_s)
     else:
-        env = tool_env(task.tools(cfg) if tools is None else tools, tokenizer, r.max_obs_tokens, r.tool_timeout_s,
-                       r.context, r.keep_turns, step_timeout_s=r.step_timeout_s, tool_format=r.tool_format)
-    env.check()  # a tokenizer or template a rollout would fail on is refused now, before any model is built
+        env = tool_env(task.tools(cfg) if tools is None else tools, tokenizer, r.max_obs_tokens,
+                       r.tool_timeout_s, r.context, r.keep_turns, step_timeout_s=r.step_timeout_s,
+                       tool_format=r.tool_format)
+    # a tokenizer or template a rollout would fail on is refused now, before any model is built
+    env.check()
     return env
 
 
@@ -84,10 +90,12 @@ def task_data(task, cfg, tokenizer):
     from a file, every one checked (well-formed rows, then data.max_prompt_tokens with chat template
     and tool schemas included) when loaded, on every rank, before any collective."""
     what = {split: f"{cfg.data.task} {split} prompts" for split in ("train", "val")}
-    prompts = {split: check_prompts(task.prompts(cfg, split), cfg.data.bad_prompts, what[split]) for split in what}
+    prompts = {split: check_prompts(task.prompts(cfg, split), cfg.data.bad_prompts, what[split])
+               for split in what}
     env = task_env(task, cfg, tokenizer)
     rows = {}
     for split, checked in prompts.items():
         lengths = env.prompt_lengths([p["messages"] for p in checked])
-        rows[split] = fit_prompts(checked, lengths, cfg.data.max_prompt_tokens, cfg.data.bad_prompts, what[split])
+        rows[split] = fit_prompts(checked, lengths, cfg.data.max_prompt_tokens, cfg.data.bad_prompts,
+                                  what[split])
     return rows["train"], rows["val"], env

@@ -50,7 +50,8 @@ def make_prompts(n, seed=0, split="train"):
         phrasing = i % len(PHRASINGS)
         question = PHRASINGS[phrasing].format(a=a, b=b)
         rows.append({"id": f"{split}-{i}", "answers": [str(a * b)], "a": a, "b": b, "phrasing": phrasing,
-                     "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": QUESTION.format(question)}]})
+                     "messages": [{"role": "system", "content": SYSTEM_PROMPT},
+                                  {"role": "user", "content": QUESTION.format(question)}]})
     return rows
 
 

@@ -29,8 +29,8 @@ from nanoagent.tools import make_tools
 SYSTEM_PROMPT = (
     "Answer the user's question. The answer needs facts you must look up: call the `search` tool, as many "
     "times as you need, to find passages about the entities in the question, and search again with what you "
-    "learn. You may think inside <think></think> before acting. When you know the answer, reply with only the "
-    "answer, a few words, inside <answer></answer>, for example <answer>Paris</answer>."
+    "learn. You may think inside <think></think> before acting. When you know the answer, reply with only "
+    "the answer, a few words, inside <answer></answer>, for example <answer>Paris</answer>."
 )
 
 QUESTION = "Question: {}"
@@ -40,22 +40,27 @@ QUESTION = "Question: {}"
 class Knobs:
     index_dir: str = opt("data/hotpotqa/index", "search index from build_index.py")
     search_top_k: int = opt(3, "passages returned by one search call", low=1)
+
+
 demonstration = None
 HUB_QUESTIONS = ("hotpotqa/hotpot_qa", "distractor")
-LOCAL_FILES = {"train": ["hotpot_train_v1.1.json"], "val": ["hotpot_dev_distractor_v1.json", "hotpot_dev_fullwiki_v1.json"]}
+LOCAL_FILES = {"train": ["hotpot_train_v1.1.json"],
+               "val": ["hotpot_dev_distractor_v1.json", "hotpot_dev_fullwiki_v1.json"]}
 
 
 def qa_row(id, question, answers, type, level, evidence, system_prompt=SYSTEM_PROMPT):
     """A prompt row (messages as a list; write_prompts stores them as JSON text)."""
     return {"id": id, "question": question, "answers": list(answers), "type": type, "level": level,
             "evidence": list(evidence),
-            "messages": [{"role": "system", "content": system_prompt}, {"role": "user", "content": QUESTION.format(question)}]}
+            "messages": [{"role": "system", "content": system_prompt},
+                         {"role": "user", "content": QUESTION.format(question)}]}
 
 
 def _evidence_titles(supporting_facts):
     """Titles of the supporting facts, first occurrence order: local JSON has [[title, sent_id], ...],
     the hub has {"title": [...], "sent_id": [...]}."""
-    titles = supporting_facts["title"] if isinstance(supporting_facts, dict) else [f[0] for f in supporting_facts]
+    titles = (supporting_facts["title"] if isinstance(supporting_facts, dict)
+              else [f[0] for f in supporting_facts])
     return list(dict.fromkeys(titles))
 
 
@@ -72,21 +77,25 @@ def load_hotpotqa(split, source=None):
     same in fullwiki, and our agent searches the whole corpus either way).
     """
     if source is None:
-        from datasets import load_dataset  # here, not at the top: importing datasets takes seconds, and only this path needs it
+        # here, not at the top: importing datasets takes seconds, and only this path needs it
+        from datasets import load_dataset
         ds = load_dataset(*HUB_QUESTIONS, split="train" if split == "train" else "validation")
         return list(ds.remove_columns("context"))  # the passages come from the search index
     if not os.path.isdir(source):
         raise FileNotFoundError(f"HotpotQA source {source!r} is not a folder; pass the folder that holds "
-                                f"{' and '.join(n[0] for n in LOCAL_FILES.values())}, or leave --source out to use the hub")
+                                f"{' and '.join(n[0] for n in LOCAL_FILES.values())}, "
+                                "or leave --source out to use the hub")
     names = [n for n in LOCAL_FILES[split] if os.path.exists(os.path.join(source, n))]
     if not names:
-        raise FileNotFoundError(f"{source} has no HotpotQA {split} file; expected one of: {', '.join(LOCAL_FILES[split])}")
+        raise FileNotFoundError(f"{source} has no HotpotQA {split} file; "
+                                f"expected one of: {', '.join(LOCAL_FILES[split])}")
     path = os.path.join(source, names[0])
     with open(path) as f:
         try:
             records = json.load(f)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not JSON ({e}); expected HotpotQA's list of question records") from None
+            raise ValueError(f"{path} is not JSON ({e}); "
+                             "expected HotpotQA's list of question records") from None
     needed = ("_id", "question", "answer", "type", "level", "supporting_facts")
     for i, r in enumerate(records if isinstance(records, list) else [None]):
         missing = [k for k in needed if not isinstance(r, dict) or k not in r]
@@ -111,7 +120,8 @@ def tools(cfg):
 
 
 def prompts(cfg, split):
-    return load_prompts(cfg.data.train_path if split == "train" else cfg.data.val_path, bad_prompts=cfg.data.bad_prompts)
+    return load_prompts(cfg.data.train_path if split == "train" else cfg.data.val_path,
+                        bad_prompts=cfg.data.bad_prompts)
 
 
 def score(traj, cfg):
@@ -123,5 +133,6 @@ def prepare(out, train_size=0, val_size=None, seed=0, source=None):
     split (0: all), `val_size` (default 500) from its dev split; `source`: a folder of the original
     JSON files instead of the hub."""
     train = sample([hotpotqa_row(r) for r in load_hotpotqa("train", source)], train_size, seed, "train")
-    val = sample([hotpotqa_row(r) for r in load_hotpotqa("val", source)], 500 if val_size is None else val_size, seed, "val")
+    val = sample([hotpotqa_row(r) for r in load_hotpotqa("val", source)],
+                 500 if val_size is None else val_size, seed, "val")
     write_prompts(out, {"train": train, "val": val})

@@ -23,7 +23,7 @@ write, or, with data.train_path, data.val_path and task.index_dir empty, are mad
 same world, split and MiniLM encoder: nothing to prepare by hand). prepare() also writes the corpus
 (OUT/corpus.jsonl) for build_index.py and the demo tiny model's pretraining text: passages and
 search conversations from scrambled copies of the world, which teach how the world is written and
-searched but none of its facts. There are scripted demonstrations for a warm start.
+searched but none of its facts.
 """
 
 import json
@@ -37,13 +37,16 @@ from nanoagent.retriever import InMemoryRetriever, load_encoder, packaged_minilm
 from nanoagent.tasks.hotpotqa import QUESTION, qa_row, score  # noqa: F401 (the task interface)
 from nanoagent.tools import format_passages, make_tools, parse_tool_calls, search_tool
 
-# HotpotQA's instructions in a few words: a tiny model learning from scratch must find the question in its prompt
-SYSTEM_PROMPT = "Search for the entities in the question, as often as you need, then reply <answer>the answer</answer>."
+# HotpotQA's instructions in a few words: a tiny model learning from scratch must find the question in its
+# prompt
+SYSTEM_PROMPT = ("Search for the entities in the question, as often as you need, "
+                 "then reply <answer>the answer</answer>.")
 
 
 @dataclass
 class Knobs:
-    index_dir: str = opt("", "search index from build_index.py (empty: the world's passages, indexed on the spot)")
+    index_dir: str = opt("", "search index from build_index.py "
+                             "(empty: the world's passages, indexed on the spot)")
     search_top_k: int = opt(3, "passages returned by one search call", low=1)
 
 
@@ -54,13 +57,15 @@ CITY_ENDS = ["by", "ford", "holm", "mere", "stad", "wick", "port", "burg"]
 COUNTRY_ENDS = ["ia", "land", "ora", "istan", "mar"]
 COMPANY_KINDS = ["Systems", "Works", "Labs", "Foods", "Motors", "Textiles", "Mining", "Pharma"]
 INDUSTRIES = ["software", "steel", "shipping", "food", "textile", "mining", "chemicals", "publishing"]
-PROFESSIONS = ["chemist", "painter", "engineer", "architect", "violinist", "surgeon", "poet", "astronomer", "lawyer", "baker"]
+PROFESSIONS = ["chemist", "painter", "engineer", "architect", "violinist", "surgeon", "poet", "astronomer",
+               "lawyer", "baker"]
 
 
 def _word(rng, used, syllables, end=""):
     """A new capitalised made-up word, unique in the world."""
     while True:
-        w = "".join(rng.choice(ONSETS) + rng.choice(VOWELS) + rng.choice(CODAS) for _ in range(syllables)) + end
+        w = "".join(rng.choice(ONSETS) + rng.choice(VOWELS) + rng.choice(CODAS)
+                    for _ in range(syllables)) + end
         w = w.capitalize()
         if w not in used:
             used.add(w)
@@ -70,7 +75,8 @@ def _word(rng, used, syllables, end=""):
 def make_world(seed=0, people=200, companies=40, cities=50, countries=10):
     """The entities as dicts keyed by name; deterministic in the arguments."""
     if min(people, companies, cities, countries) < 1 or cities < countries:
-        raise ValueError("the synthetic world needs at least one of each entity and at least as many cities as countries")
+        raise ValueError("the synthetic world needs at least one of each entity "
+                         "and at least as many cities as countries")
     rng = random.Random(f"synthetic-world-{seed}")
     used = set()
     first_names = [_word(rng, used, 2) for _ in range(max(8, people // 4))]  # each shared by several people
@@ -80,18 +86,21 @@ def make_world(seed=0, people=200, companies=40, cities=50, countries=10):
     city_names = [_word(rng, used, 2, rng.choice(CITY_ENDS)) for _ in range(cities)]
     for i, city in enumerate(city_names):  # every country gets at least one city, its capital
         country = country_names[i] if i < countries else rng.choice(country_names)
-        world["city"][city] = {"country": country, "year": rng.randint(800, 1800), "river": _word(rng, used, 2)}
+        world["city"][city] = {"country": country, "year": rng.randint(800, 1800),
+                               "river": _word(rng, used, 2)}
     for country in country_names:
         own = [c for c in city_names if world["city"][c]["country"] == country]
         world["country"][country] = {"capital": rng.choice(own), "population": rng.randint(2, 90)}
-    person_names = [" ".join(name) for name in rng.sample([(f, l) for f in first_names for l in last_names], people)]
+    person_names = [" ".join(name)
+                    for name in rng.sample([(f, l) for f in first_names for l in last_names], people)]
     company_names = [f"{_word(rng, used, 2)} {rng.choice(COMPANY_KINDS)}" for _ in range(companies)]
     for company in company_names:
         world["company"][company] = {"city": rng.choice(city_names), "year": rng.randint(1850, 2015),
                                      "founder": rng.choice(person_names), "industry": rng.choice(INDUSTRIES)}
     for person in person_names:
         world["person"][person] = {"city": rng.choice(city_names), "year": rng.randint(1900, 2000),
-                                   "company": rng.choice(company_names), "profession": rng.choice(PROFESSIONS)}
+                                   "company": rng.choice(company_names),
+                                   "profession": rng.choice(PROFESSIONS)}
     return world
 
 
@@ -99,13 +108,17 @@ def passages(world):
     """One passage per entity, corpus format, in a fixed order."""
     out = []
     for name, p in world["person"].items():
-        out.append((name, f"{name} is a {p['profession']} who was born in {p['city']} in {p['year']}. {name} works for {p['company']}."))
+        out.append((name, f"{name} is a {p['profession']} who was born in {p['city']} in {p['year']}. "
+                          f"{name} works for {p['company']}."))
     for name, c in world["company"].items():
-        out.append((name, f"{name} is a {c['industry']} company headquartered in {c['city']}. It was founded in {c['year']} by {c['founder']}."))
+        out.append((name, f"{name} is a {c['industry']} company headquartered in {c['city']}. "
+                          f"It was founded in {c['year']} by {c['founder']}."))
     for name, c in world["city"].items():
-        out.append((name, f"{name} is a city in {c['country']}, founded in {c['year']} on the {c['river']} river."))
+        out.append((name, f"{name} is a city in {c['country']}, "
+                          f"founded in {c['year']} on the {c['river']} river."))
     for name, c in world["country"].items():
-        out.append((name, f"{name} is a country whose capital is {c['capital']}. It has {c['population']} million inhabitants."))
+        out.append((name, f"{name} is a country whose capital is {c['capital']}. "
+                          f"It has {c['population']} million inhabitants."))
     return [{"id": str(i), "title": title, "text": text} for i, (title, text) in enumerate(out)]
 
 
@@ -138,17 +151,21 @@ def questions(world):
     qs = []
 
     def add(question, answer, subject, evidence):
-        if len(evidence) > 1 and str(answer) in text[subject]:  # e.g. born in the city where the company is: 1 hop would do
+        # e.g. born in the city where the company is: 1 hop would do
+        if len(evidence) > 1 and str(answer) in text[subject]:
             return
-        qs.append({"question": question, "answer": str(answer), "type": f"{len(evidence)}-hop", "subject": subject, "evidence": evidence})
+        qs.append({"question": question, "answer": str(answer), "type": f"{len(evidence)}-hop",
+                   "subject": subject, "evidence": evidence})
 
     for p, r in P.items():
         add(f"Where was {p} born?", r["city"], p, [p])
         add(f"Which company does {p} work for?", r["company"], p, [p])
         add(f"In which year was {p} born?", r["year"], p, [p])
         add(f"In which country was {p} born?", Ci[r["city"]]["country"], p, [p, r["city"]])
-        add(f"In which year was the city where {p} was born founded?", Ci[r["city"]]["year"], p, [p, r["city"]])
-        add(f"In which city is the company that {p} works for headquartered?", Co[r["company"]]["city"], p, [p, r["company"]])
+        add(f"In which year was the city where {p} was born founded?", Ci[r["city"]]["year"], p,
+            [p, r["city"]])
+        add(f"In which city is the company that {p} works for headquartered?", Co[r["company"]]["city"], p,
+            [p, r["company"]])
         add(f"Who founded the company that {p} works for?", Co[r["company"]]["founder"], p, [p, r["company"]])
     for co, r in Co.items():
         add(f"Who founded {co}?", r["founder"], co, [co])
@@ -157,7 +174,8 @@ def questions(world):
     for ci, r in Ci.items():
         add(f"In which country is {ci}?", r["country"], ci, [ci])
         add(f"In which year was {ci} founded?", r["year"], ci, [ci])
-        add(f"What is the capital of the country that {ci} lies in?", K[r["country"]]["capital"], ci, [ci, r["country"]])
+        add(f"What is the capital of the country that {ci} lies in?", K[r["country"]]["capital"], ci,
+            [ci, r["country"]])
     for k, r in K.items():
         add(f"What is the capital of {k}?", r["capital"], k, [k])
     return qs
@@ -176,8 +194,9 @@ def make_split(seed=0, val_size=100, train_size=0, **sizes):
     rng.shuffle(subjects)
     by_subject = {}
     for i, q in enumerate(qs):
-        by_subject.setdefault(q["subject"], []).append(qa_row(f"synthetic-{i:05d}", q["question"], [q["answer"]], q["type"],
-                                                              "synthetic", q["evidence"], SYSTEM_PROMPT))
+        by_subject.setdefault(q["subject"], []).append(
+            qa_row(f"synthetic-{i:05d}", q["question"], [q["answer"]], q["type"], "synthetic", q["evidence"],
+                   SYSTEM_PROMPT))
     val, train = [], []
     for s in subjects:
         (val if len(val) < val_size else train).extend(by_subject[s])
@@ -207,7 +226,8 @@ def tools(cfg):
 
 
 SCRAMBLED_COPIES, DIALOGUES_PER_COPY = 20, 400
-GUESS, SKIP_SECOND_HOP = 0.6, 0.25  # how often the demonstrator answers without searching, and stops a hop short
+# how often the demonstrator answers without searching, and stops a hop short
+GUESS, SKIP_SECOND_HOP = 0.6, 0.25
 
 
 def demonstration(row, rng, guess=GUESS, skip_second_hop=SKIP_SECOND_HOP):
@@ -221,7 +241,8 @@ def demonstration(row, rng, guess=GUESS, skip_second_hop=SKIP_SECOND_HOP):
     A greedy policy imitating it guesses; searching, and searching twice, is what RL must find pays.
     """
     def search(query):
-        return "<tool_call>\n" + json.dumps({"name": "search", "arguments": {"query": " " + query}}) + "\n</tool_call>"
+        return ("<tool_call>\n" + json.dumps({"name": "search", "arguments": {"query": " " + query}})
+                + "\n</tool_call>")
 
     evidence = list(row["evidence"])
     if rng.random() < guess:
@@ -247,12 +268,14 @@ def scrambled_dialogues(world, copies=SCRAMBLED_COPIES, per_copy=DIALOGUES_PER_C
         by_title = {p["title"]: p for p in passages(fake)}
         qs = questions(fake)
         for q in rng.sample(qs, min(per_copy, len(qs))):
-            row = qa_row("", q["question"], [q["answer"]], q["type"], "synthetic", q["evidence"], SYSTEM_PROMPT)
+            row = qa_row("", q["question"], [q["answer"]], q["type"], "synthetic", q["evidence"],
+                         SYSTEM_PROMPT)
             messages = list(row["messages"])
             for turn in demonstration(row, rng, guess=0.0, skip_second_hop=0.0):
                 messages.append({"role": "assistant", "content": turn})
                 for call in parse_tool_calls(turn):
-                    messages.append({"role": "tool", "content": format_passages([by_title[call.arguments["query"].strip()]])})
+                    messages.append({"role": "tool",
+                                     "content": format_passages([by_title[call.arguments["query"].strip()]])})
             out.append({"messages": messages, "tools": [schema]})
     return out
 

@@ -64,17 +64,19 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(ensure_tiny_model(), attn_implementation=PACKED)
     model = model.to(DEVICE).train()
     vocab = model.config.vocab_size
-    print(f"device: {DEVICE}, tiny model, {TRAJECTORIES} trajectories, prompt {PROMPT}, action {ACTION}, observation {OBSERVATION}, "
-          f"last_k with K={KEEP}")
+    print(f"device: {DEVICE}, tiny model, {TRAJECTORIES} trajectories, prompt {PROMPT}, action {ACTION}, "
+          f"observation {OBSERVATION}, last_k with K={KEEP}")
     for turns in (2, 4, 8, 16):
         figures = {}
         for context in ("full", "last_k"):
             rng = random.Random(turns)
             batch = collate([trajectory(turns, context, rng, vocab) for _ in range(TRAJECTORIES)], 0)
-            figures[context] = (sum(batch["lengths"]) / TRAJECTORIES, max(batch["lengths"]), update_time(model, batch))
+            figures[context] = (sum(batch["lengths"]) / TRAJECTORIES, max(batch["lengths"]),
+                                update_time(model, batch))
         (full_tokens, full_row, full_s), (k_tokens, k_row, k_s) = figures["full"], figures["last_k"]
-        print(f"{turns:2d} turns | tokens per trajectory: full {full_tokens:.0f}, last_k {k_tokens:.0f} ({k_tokens / full_tokens:.2f}x) | "
-              f"longest row: full {full_row}, last_k {k_row} | forward+backward: full {full_s * 1e3:.0f} ms, last_k {k_s * 1e3:.0f} ms "
+        print(f"{turns:2d} turns | tokens per trajectory: full {full_tokens:.0f}, last_k {k_tokens:.0f} "
+              f"({k_tokens / full_tokens:.2f}x) | longest row: full {full_row}, last_k {k_row} | "
+              f"forward+backward: full {full_s * 1e3:.0f} ms, last_k {k_s * 1e3:.0f} ms "
               f"({k_s / full_s:.2f}x)")
 
 

@@ -43,19 +43,23 @@ def main():
     per_rank, world = 16, 8
     steps = iter(range(10**6))
     now = median_time(lambda: step_prompts(rows, next(steps), per_rank, 3, world, 0, True), repeats=20)
-    before = median_time(lambda: step_prompts_before(rows, next(steps), per_rank, 3, world, 0, True), repeats=3)
-    print(f"step_prompts, {len(rows):,} rows, {per_rank} prompts per rank x {world} ranks: {now * 1e3:.2f} ms per step "
-          f"(before: {before:.2f} s; {before / now:,.0f}x)")
+    before = median_time(lambda: step_prompts_before(rows, next(steps), per_rank, 3, world, 0, True),
+                         repeats=3)
+    print(f"step_prompts, {len(rows):,} rows, {per_rank} prompts per rank x {world} ranks: "
+          f"{now * 1e3:.2f} ms per step (before: {before:.2f} s; {before / now:,.0f}x)")
 
     from transformers import AutoTokenizer
     env = tool_env([search_tool(None)], AutoTokenizer.from_pretrained(ensure_tiny_model()))
-    questions = [qa_row(str(i), f"Which city was the director of the film number {i} born in, and in which year?", ["x"], "bridge", "easy", [])
+    questions = [qa_row(str(i),
+                        f"Which city was the director of the film number {i} born in, and in which year?",
+                        ["x"], "bridge", "easy", [])
                  for i in range(5000)]
     start = time.perf_counter()
     lengths = env.prompt_lengths([q["messages"] for q in questions])
     seconds = time.perf_counter() - start
-    print(f"prompt lengths at load time: {seconds / len(questions) * 1e6:.0f} ms per 1,000 prompts of ~{lengths[0]} tokens "
-          f"(90k HotpotQA rows: {seconds / len(questions) * 90_000:.0f} s on this machine)")
+    print(f"prompt lengths at load time: {seconds / len(questions) * 1e6:.0f} ms per 1,000 prompts "
+          f"of ~{lengths[0]} tokens (90k HotpotQA rows: {seconds / len(questions) * 90_000:.0f} s "
+          f"on this machine)")
 
 
 if __name__ == "__main__":

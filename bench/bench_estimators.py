@@ -34,11 +34,13 @@ ESTIMATORS = {  # name: overrides of the demo preset (README: "How the code maps
 
 def run(demo, name, seed):
     """The metrics of one estimator's run on the demo's world (run now if it has not finished before)."""
-    run_dir = os.path.join(demo, "estimators", f"{name.lower().replace(' ', '').replace('(', '-').replace(')', '')}-seed{seed}")
+    run_dir = os.path.join(demo, "estimators",
+                           f"{name.lower().replace(' ', '').replace('(', '-').replace(')', '')}-seed{seed}")
     if not os.path.exists(os.path.join(run_dir, "hf")):
-        cmd = [sys.executable, "train.py", "--config=demo", f"seed={seed}", f"model={demo}/model", f"run_dir={run_dir}",
-               f"data.train_path={demo}/data/train.parquet", f"data.val_path={demo}/data/val.parquet",
-               f"task.index_dir={demo}/data/index", *ESTIMATORS[name]]
+        cmd = [sys.executable, "train.py", "--config=demo", f"seed={seed}", f"model={demo}/model",
+               f"run_dir={run_dir}", f"data.train_path={demo}/data/train.parquet",
+               f"data.val_path={demo}/data/val.parquet", f"task.index_dir={demo}/data/index",
+               *ESTIMATORS[name]]
         print(" ".join(cmd[1:]), flush=True)
         proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if proc.returncode:
@@ -47,10 +49,12 @@ def run(demo, name, seed):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--demo", default="out/demo", help="the folder make demo wrote (DEMO=...)")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds of the RL runs")
-    parser.add_argument("--estimators", default=",".join(list(ESTIMATORS)[:6]), help=f"comma-separated, of: {', '.join(ESTIMATORS)}")
+    parser.add_argument("--estimators", default=",".join(list(ESTIMATORS)[:6]),
+                        help=f"comma-separated, of: {', '.join(ESTIMATORS)}")
     args = parser.parse_args()
     demo = os.path.abspath(args.demo)
     rows = []
@@ -60,9 +64,11 @@ def main():
             evals = [m for m in metrics if "eval/em" in m]
             before, after = evals[0], evals[-1]
             seconds = statistics.median(m["time/step"] for m in metrics if "time/step" in m)
-            rows.append(f"| {name} | {seed} | {before['eval/em']:.2f} -> {after['eval/em']:.2f} | {after['eval/1-hop/em']:.2f} / "
-                        f"{after['eval/2-hop/em']:.2f} | {after['eval/tool_calls']:.2f} | {seconds:.1f} |")
-    print("| estimator | seed | held-out EM before -> after | 1-hop / 2-hop EM after | searches per question after | s/step (median) |")
+            rows.append(f"| {name} | {seed} | {before['eval/em']:.2f} -> {after['eval/em']:.2f} | "
+                        f"{after['eval/1-hop/em']:.2f} / {after['eval/2-hop/em']:.2f} | "
+                        f"{after['eval/tool_calls']:.2f} | {seconds:.1f} |")
+    print("| estimator | seed | held-out EM before -> after | 1-hop / 2-hop EM after | "
+          "searches per question after | s/step (median) |")
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))
 

@@ -32,7 +32,8 @@ import numpy as np  # noqa: E402
 
 import build_index  # noqa: E402
 from bench.timing import median_time  # noqa: E402
-from nanoagent.retriever import IndexRetriever, encode, load_encoder, packaged_minilm_path, passage_text  # noqa: E402
+from nanoagent.retriever import (IndexRetriever, encode, load_encoder, packaged_minilm_path,  # noqa: E402
+                                 passage_text)
 from nanoagent.tasks.synthetic import make_split  # noqa: E402
 
 HOTPOTQA_PASSAGES = 5_233_329
@@ -42,7 +43,8 @@ HOTPOTQA_WORDS = 46
 def hotpotqa_length_passages(n):
     """n passages of >= 46 words, made by joining synthetic passages (a big enough world)."""
     scale = max(1, n // 60)
-    train, val, corpus = make_split(seed=0, people=200 * scale, companies=40 * scale, cities=50 * scale, countries=10 * scale)
+    train, val, corpus = make_split(seed=0, people=200 * scale, companies=40 * scale, cities=50 * scale,
+                                    countries=10 * scale)
     out, words, texts = [], 0, []
     for p in corpus:
         texts.append(p["text"])
@@ -56,7 +58,8 @@ def hotpotqa_length_passages(n):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--passages", type=int, default=2000)
     parser.add_argument("--encoder", default=None, help="default: the packaged all-MiniLM-L6-v2")
     parser.add_argument("--batch-size", type=int, default=512)
@@ -69,8 +72,9 @@ def main():
     encoder = load_encoder(encoder_path)
     passages, questions = hotpotqa_length_passages(args.passages)
     words = statistics.mean(len(passage_text(p).split()) for p in passages)
-    print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads), faiss {faiss.__version__}, "
-          f"cuda {torch.cuda.is_available()} | encoder {os.path.basename(encoder_path.rstrip('/'))} | "
+    print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+          f"faiss {faiss.__version__}, cuda {torch.cuda.is_available()} | "
+          f"encoder {os.path.basename(encoder_path.rstrip('/'))} | "
           f"{len(passages)} passages of {words:.0f} words on average")
 
     # 1. build
@@ -83,17 +87,19 @@ def main():
 
     def build():
         shutil.rmtree(out, ignore_errors=True)
-        build_index.main([f"--corpus={corpus}", f"--out={out}", f"--encoder={encoder_path}", f"--batch-size={args.batch_size}"])
+        build_index.main([f"--corpus={corpus}", f"--out={out}", f"--encoder={encoder_path}",
+                          f"--batch-size={args.batch_size}"])
 
     build()  # warm-up (and the index for the search benchmark)
     texts = [passage_text(p) for p in passages]
     t_encode = median_time(lambda: encode(encoder, texts, batch_size=args.batch_size), args.repeats)
     t_build = median_time(build, args.repeats)
     rate = len(passages) / t_build
-    print(f"build (end to end): {rate:.0f} passages/s | encoder alone: {len(passages) / t_encode:.0f} passages/s "
-          f"(median of {args.repeats})")
-    print(f"projected: the full HotpotQA corpus ({HOTPOTQA_PASSAGES:,} passages) in {HOTPOTQA_PASSAGES / rate / 3600:.1f} h "
-          f"on this machine; divide by the speed-up of your GPUs x their number under torchrun")
+    print(f"build (end to end): {rate:.0f} passages/s | "
+          f"encoder alone: {len(passages) / t_encode:.0f} passages/s (median of {args.repeats})")
+    print(f"projected: the full HotpotQA corpus ({HOTPOTQA_PASSAGES:,} passages) in "
+          f"{HOTPOTQA_PASSAGES / rate / 3600:.1f} h on this machine; "
+          f"divide by the speed-up of your GPUs x their number under torchrun")
 
     # 2. search through the tool's path
     retriever = IndexRetriever(out, encoder)
@@ -114,8 +120,8 @@ def main():
     flat.add(vectors)
     t_flat = median_time(lambda: flat.search(queries, 3), args.repeats)
     projected = t_flat * HOTPOTQA_PASSAGES / args.scale
-    print(f"faiss flat, 64 queries over {args.scale:,} x {dim}: {t_flat * 1000:.0f} ms -> over {HOTPOTQA_PASSAGES:,}: "
-          f"~{projected:.1f} s per batch of 64 ({64 / projected:.0f} queries/s)")
+    print(f"faiss flat, 64 queries over {args.scale:,} x {dim}: {t_flat * 1000:.0f} ms -> "
+          f"over {HOTPOTQA_PASSAGES:,}: ~{projected:.1f} s per batch of 64 ({64 / projected:.0f} queries/s)")
     ivf = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, 4096, faiss.METRIC_INNER_PRODUCT)
     start = time.perf_counter()
     ivf.train(vectors[: 4096 * 39])
@@ -123,8 +129,9 @@ def main():
     t_ivf_build = time.perf_counter() - start
     ivf.nprobe = 64
     t_ivf = median_time(lambda: ivf.search(queries, 3), args.repeats)
-    print(f"faiss ivf4096 nprobe 64, same 1M: build {t_ivf_build:.0f} s, search {t_ivf * 1000:.0f} ms per batch of 64 "
-          f"({64 / t_ivf:.0f} queries/s; cost grows ~linearly with the corpus at fixed nlist, ~sqrt with nlist = 4 sqrt(N))")
+    print(f"faiss ivf4096 nprobe 64, same 1M: build {t_ivf_build:.0f} s, "
+          f"search {t_ivf * 1000:.0f} ms per batch of 64 ({64 / t_ivf:.0f} queries/s; "
+          f"cost grows ~linearly with the corpus at fixed nlist, ~sqrt with nlist = 4 sqrt(N))")
     shutil.rmtree(tmp)
 
 

@@ -42,7 +42,8 @@ def main():
         print(f"step_gae B={B} T={T}, 4 turns per row: {ts * 1e3:.1f} ms ({ts / t:.2f}x masked_gae)")
     scores = torch.rand(4096, device=DEVICE)
     groups = torch.arange(4096, device=DEVICE) // 8
-    print(f"grpo_advantages B=4096 G=8: {median_time(lambda: rl.grpo_advantages(scores, groups)) * 1e3:.2f} ms")
+    print(f"grpo_advantages B=4096 G=8: "
+          f"{median_time(lambda: rl.grpo_advantages(scores, groups)) * 1e3:.2f} ms")
 
 
 if __name__ == "__main__":

@@ -62,11 +62,13 @@ def batch_per_turn(engine, env, samples, sampling, max_turns, max_context_tokens
         start = time.perf_counter()
         gens = engine.generate(prompts, sampling, budgets, [turn_seed(seed, i, turn) for i in live])
         engine_s += time.perf_counter() - start
-        actions = [(i, gen.finish_reason, budget, *take_turn(trajs[i], gen.token_ids, gen.logprobs, env.tokenizer))
+        actions = [(i, gen.finish_reason, budget,
+                    *take_turn(trajs[i], gen.token_ids, gen.logprobs, env.tokenizer))
                    for i, gen, budget in zip(live, gens, budgets)]
         start = time.perf_counter()
         steps = [(i, env.start(trajs[i].env, content), content, eos,
-                  None if finish != "length" else "context_budget" if budget < sampling.max_new_tokens else "truncated")
+                  None if finish != "length"
+                  else "context_budget" if budget < sampling.max_new_tokens else "truncated")
                  for i, finish, budget, content, eos in actions]
         wait([step for _, step, *_ in steps])
         idle_s += time.perf_counter() - start
@@ -90,7 +92,8 @@ def with_latency(env, tools, most, seed):
         def call_batch(arguments):
             time.sleep(max(map(delay, arguments)))
             return tool.call_batch(arguments)
-        return Tool(tool.name, tool.description, tool.parameters, call, call_batch if tool.call_batch else None)
+        return Tool(tool.name, tool.description, tool.parameters, call,
+                    call_batch if tool.call_batch else None)
     return tool_env([slowed(t) for t in tools], env.tokenizer, env.max_obs_tokens, TIMEOUT_S)
 
 
@@ -98,24 +101,28 @@ def raw_generation(engine, trajs):
     """Each trajectory's action tokens, sampled in one request from its prompt, all together."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-    params = [SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=1.0, logprobs=0, detokenize=False)
+    params = [SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=1.0, logprobs=0,
+                             detokenize=False)
               for n in (sum(t.action_mask) for t in trajs)]
     engine.llm.generate([TokensPrompt(prompt_token_ids=t.prompt_ids) for t in trajs], params, use_tqdm=False)
 
 
 def bench_loops(engine, env, tools, copies):
-    samples = [{"id": q, "messages": scripted.user(q)} for q in scripted.SCRIPTS if q != "Wait a long time."] * copies
+    samples = [{"id": q, "messages": scripted.user(q)}
+               for q in scripted.SCRIPTS if q != "Wait a long time."] * copies
     sampling = SamplingConfig(max_new_tokens=64, temperature=1.0)
     loops = {"old": batch_per_turn, "new": run_agent}
     print(f"agent loop: {len(samples)} trajectories, max {MAX_TURNS} turns, seeded sampling at temperature 1")
-    print(f"{'tools':>9} | {'raw gen':>7} | {'old loop':>8} {'x raw':>6} {'idle':>5} | {'new loop':>8} {'x raw':>6} {'idle':>5} | new vs old")
+    print(f"{'tools':>9} | {'raw gen':>7} | {'old loop':>8} {'x raw':>6} {'idle':>5} | "
+          f"{'new loop':>8} {'x raw':>6} {'idle':>5} | new vs old")
     for label, run_env in [("at once", env), ("0-200 ms", with_latency(env, tools, 0.2, SEED))]:
         times, idle, trajs = {"raw": [], "old": [], "new": []}, {"old": [], "new": []}, {}
         for repeat in range(REPEATS + 1):  # the first is a warm-up
             for name, loop in loops.items():
                 timing = {}
                 start = time.perf_counter()
-                trajs[name] = loop(engine, run_env, samples, sampling, MAX_TURNS, MAX_CONTEXT, seed=SEED, timing=timing)
+                trajs[name] = loop(engine, run_env, samples, sampling, MAX_TURNS, MAX_CONTEXT, seed=SEED,
+                                   timing=timing)
                 seconds = time.perf_counter() - start
                 if repeat:
                     times[name].append(seconds)
@@ -124,21 +131,27 @@ def bench_loops(engine, env, tools, copies):
             raw_generation(engine, trajs["new"])
             if repeat:
                 times["raw"].append(time.perf_counter() - start)
-        same = all((a.response_ids, a.action_mask) == (b.response_ids, b.action_mask) for a, b in zip(trajs["old"], trajs["new"]))
+        same = all((a.response_ids, a.action_mask) == (b.response_ids, b.action_mask)
+                   for a, b in zip(trajs["old"], trajs["new"]))
         raw, old, new = (statistics.median(times[k]) for k in ("raw", "old", "new"))
         tokens = sum(sum(t.action_mask) for t in trajs["new"])
         turns = sum(len(t.turn_spans) for t in trajs["new"]) / len(samples)
-        print(f"{label:>9} | {raw:6.2f}s | {old:7.2f}s {old / raw:5.2f}x {statistics.median(idle['old']):5.0%} | "
+        print(f"{label:>9} | {raw:6.2f}s | "
+              f"{old:7.2f}s {old / raw:5.2f}x {statistics.median(idle['old']):5.0%} | "
               f"{new:7.2f}s {new / raw:5.2f}x {statistics.median(idle['new']):5.0%} | {old / new:.2f}x faster"
-              f"   ({tokens} action tokens, {turns:.2f} turns each, same trajectories in both loops: {'yes' if same else 'NO'})")
+              f"   ({tokens} action tokens, {turns:.2f} turns each, "
+              f"same trajectories in both loops: {'yes' if same else 'NO'})")
 
 
 def bench_reload(engine, model_dir, label):
     state = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     n_params = sum(t.numel() for t in state.values())
     one_call = median_time(lambda: engine.load_weights(state.items()), 5)
-    per_param = median_time(lambda: [engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter([kv])}) for kv in state.items()], 3)
-    print(f"load_weights {label} ({n_params / 1e6:.1f}M params, {len(state)} tensors): one call {one_call * 1e3:.1f} ms | "
+    per_param = median_time(lambda: [engine.llm.collective_rpc("reload_weights",
+                                                               kwargs={"weights_iterator": iter([kv])})
+                                     for kv in state.items()], 3)
+    print(f"load_weights {label} ({n_params / 1e6:.1f}M params, {len(state)} tensors): "
+          f"one call {one_call * 1e3:.1f} ms | "
           f"one call per tensor {per_param * 1e3:.1f} ms ({per_param / one_call:.1f}x)")
 
 
@@ -151,12 +164,14 @@ def main():
     tools = [calculator_tool(), search_tool(retriever, 1)]
     env = tool_env(tools, tok, max_obs_tokens=64, timeout_s=TIMEOUT_S)
     model_dir, _ = scripted.memorise(base, os.path.join(tmp, "scripted"), env, steps=150)
-    engine = VLLMEngine(model_dir, stop_token_ids(tok), 2048, dtype="float32", compile=False)  # as the CPU presets
+    # as the CPU presets
+    engine = VLLMEngine(model_dir, stop_token_ids(tok), 2048, dtype="float32", compile=False)
     bench_loops(engine, env, tools, copies=8)
     bench_reload(engine, model_dir, "tiny")
     del engine
     bigger = build_tiny_model(os.path.join(tmp, "bigger"), hidden_size=1024, num_layers=8)
-    bench_reload(VLLMEngine(bigger, stop_token_ids(tok), 2048, dtype="float32", compile=False), bigger, "hidden 1024 x 8 layers")
+    bench_reload(VLLMEngine(bigger, stop_token_ids(tok), 2048, dtype="float32", compile=False), bigger,
+                 "hidden 1024 x 8 layers")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ from nanoagent.tiny import ensure_tiny_model
 from transformers import AutoTokenizer
 imported = time.perf_counter()
 path = ensure_tiny_model(sys.argv[2])
-engine = VLLMEngine(path, stop_token_ids(AutoTokenizer.from_pretrained(path)), 1024, dtype="float32", compile=False)  # as the CPU presets
+engine = VLLMEngine(path, stop_token_ids(AutoTokenizer.from_pretrained(path)), 1024, \
+dtype="float32", compile=False)  # as the CPU presets
 print(imported - start, time.perf_counter() - imported, flush=True)
 exit_now(0) if sys.argv[1] == "exit_now" else sys.exit(0)
 """
@@ -41,8 +42,8 @@ exit_now(0) if sys.argv[1] == "exit_now" else sys.exit(0)
 def child(ending, cache):
     """(imports s, engine start s, exit s) of one child process."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, ending, cache], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, ending, cache], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env)
     imports, engine = map(float, proc.stdout.readline().split())
     printed = time.perf_counter()
     proc.wait()
@@ -50,8 +51,9 @@ def child(ending, cache):
 
 
 def one_step_run(cache, run_dir):
-    cmd = [sys.executable, "train.py", "--config=tiny", "steps=1", "algo=grpo", "train.warm_start_steps=30", "rollout.prompts_per_step=4",
-           "rollout.max_turns=2", "ppo.mini_batch_size=8", "task.num_val=8", f"run_dir={run_dir}", "resume=never"]
+    cmd = [sys.executable, "train.py", "--config=tiny", "steps=1", "algo=grpo", "train.warm_start_steps=30",
+           "rollout.prompts_per_step=4", "rollout.max_turns=2", "ppo.mini_batch_size=8", "task.num_val=8",
+           f"run_dir={run_dir}", "resume=never"]
     start = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                    env={**os.environ, "OMP_NUM_THREADS": "1", "NANOAGENT_CACHE": cache})
@@ -59,7 +61,8 @@ def one_step_run(cache, run_dir):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -67,7 +70,8 @@ def main():
         for ending in ("sys.exit", "exit_now"):
             runs = [child(ending, tmp) for _ in range(args.repeats)]
             imports, engine, exit_s = (statistics.median(column) for column in zip(*runs))
-            print(f"child ending with {ending:8s}: imports {imports:.2f} s | vLLM engine start {engine:.2f} s | exit {exit_s:.2f} s")
+            print(f"child ending with {ending:8s}: imports {imports:.2f} s | "
+                  f"vLLM engine start {engine:.2f} s | exit {exit_s:.2f} s")
         runs = [one_step_run(tmp, os.path.join(tmp, "run")) for _ in range(args.repeats)]
         print(f"train.py, one step, one rank: {statistics.median(runs):.1f} s (median of {args.repeats})")
 

@@ -1,12 +1,15 @@
 """
 Training speed (prints figures; asserts nothing).
 
-    python bench/bench_train.py                 # CPU: the tiny config end to end, time per phase (grpo, ppo, ppo.credit=step,
-                                                #   each turn with its own context: rollout.context=last_k)
-    python bench/bench_train.py --packing       # CPU or GPU: the update's tokens/s, packed against padded, in one process
+    python bench/bench_train.py                 # CPU: the tiny config end to end, time per phase (grpo, ppo,
+                                                #   ppo.credit=step, each turn with its own context:
+                                                #   rollout.context=last_k)
+    python bench/bench_train.py --packing       # CPU or GPU: the update's tokens/s, packed against padded,
+                                                #   in one process
     python bench/bench_train.py --packing --shape=qwen2.5-1.5b   # GPU: the same at Qwen2.5-1.5B's shape, bf16
     python bench/bench_train.py --update-only   # GPU: update tokens/s and MFU, Qwen2.5-1.5B shape
-    python bench/bench_train.py --balance       # CPU: 2 ranks rolling out unevenly, with and without train.balance_ranks
+    python bench/bench_train.py --balance       # CPU: 2 ranks rolling out unevenly, with and without
+                                                #   train.balance_ranks
 
 1. End to end (CPU or GPU): runs train.py on the tiny preset for a few steps in a subprocess and
    reports, from its metrics.jsonl, the median time of each phase (rollout, logprob/value
@@ -47,31 +50,40 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-QWEN_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True)
+QWEN_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                 num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                 tie_word_embeddings=True)
 
 
 def train_steps(nproc, overrides, threads):
-    """The metrics of each step of train.py on the tiny preset under torchrun, after the first (engine warm-up)."""
+    """The metrics of each step of train.py on the tiny preset under torchrun, after the first (engine
+    warm-up)."""
     run_dir = tempfile.mkdtemp()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
-           os.path.join(ROOT, "train.py"), "--config=tiny", f"run_dir={run_dir}", *overrides]
-    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
-    return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if '"time/step"' in line][1:]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={port}", os.path.join(ROOT, "train.py"), "--config=tiny", f"run_dir={run_dir}",
+           *overrides]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT, timeout=1800,
+                   env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))
+            if '"time/step"' in line][1:]
 
 
 def end_to_end(steps, algo, nproc, credit="token", context="full"):
-    rows = train_steps(nproc, [f"algo={algo}", f"ppo.credit={credit}", f"steps={steps}", f"rollout.context={context}", "rollout.keep_turns=1",
+    rows = train_steps(nproc, [f"algo={algo}", f"ppo.credit={credit}", f"steps={steps}",
+                               f"rollout.context={context}", "rollout.keep_turns=1",
                                "train.warm_start_steps=30", "train.tool_call_reward=0.1",
-                               "grpo.drop_uniform_groups=false"],  # the tiny model's groups are mostly uniform: time an update that runs
+                               # the tiny model's groups are mostly uniform: time an update that runs
+                               "grpo.drop_uniform_groups=false"],
                        max(1, os.cpu_count() // nproc))
     med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
     total = med("time/step")
-    parts = " | ".join(f"{k[5:]} {med(k):.2f}s ({med(k) / total:.0%})" for k in ["time/rollout", "time/forward", "time/update", "time/push"])
-    variant = "".join([f" ({credit}-level credit)" if credit != "token" else "", f" (context {context}, K=1)" if context != "full" else ""])
+    parts = " | ".join(f"{k[5:]} {med(k):.2f}s ({med(k) / total:.0%})"
+                       for k in ["time/rollout", "time/forward", "time/update", "time/push"])
+    variant = "".join([f" ({credit}-level credit)" if credit != "token" else "",
+                       f" (context {context}, K=1)" if context != "full" else ""])
     print(f"tiny {algo}{variant} x{nproc} ranks, median of {len(rows)} steps: step {total:.2f}s | {parts} | "
           f"{med('tokens_per_s'):.0f} tokens/s ({med('action_tokens_per_s'):.0f} action tokens/s), "
           f"{statistics.median(r['tokens_per_s'] * r['time/step'] for r in rows):.0f} tokens per step")
@@ -93,7 +105,8 @@ def shaped_batch(kind, rows, vocab, seed=0):
                 if turn < 2:
                     observation = rng.randint(60, 128)
                     tokens, mask = tokens + ids(observation), mask + [0] * observation
-        elif kind == "groups":  # GRPO groups of 8 samples of one prompt: 230-270 prompt tokens, a 40-64-token answer
+        # GRPO groups of 8 samples of one prompt: 230-270 prompt tokens, a 40-64-token answer
+        elif kind == "groups":
             if r % 8 == 0:
                 prompt = ids(rng.randint(230, 270))
             answer = rng.randint(40, 64)
@@ -132,7 +145,7 @@ def packing(shape, budget=8192):
             ids = pad_rows([rows[i] for i in idx], 0).to(device)
             attention = pad_rows([[1] * len(rows[i]) for i in idx], 0).to(device)
             mask = pad_rows([masks[i] for i in idx], 0, torch.float32).to(device)
-            logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits              # [b, l, V]
+            logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits  # [b, l, V]
             logprobs, _ = logprobs_and_entropy(logits, ids.roll(-1, 1))
             logprobs = torch.cat([logprobs.new_zeros(len(idx), 1), logprobs[:, :-1]], 1)
             (-(logprobs * mask).sum() / mask.sum()).backward()
@@ -151,8 +164,10 @@ def packing(shape, budget=8192):
         if shape == "qwen2.5-1.5b":
             torch.manual_seed(0)
             with torch.device(device):
-                padded = Qwen2ForCausalLM._from_config(Qwen2Config(**QWEN_1_5B), attn_implementation="sdpa", dtype=torch.bfloat16)
-                packed = Qwen2ForCausalLM._from_config(Qwen2Config(**QWEN_1_5B), attn_implementation=PACKED, dtype=torch.bfloat16)
+                padded = Qwen2ForCausalLM._from_config(Qwen2Config(**QWEN_1_5B), attn_implementation="sdpa",
+                                                       dtype=torch.bfloat16)
+                packed = Qwen2ForCausalLM._from_config(Qwen2Config(**QWEN_1_5B), attn_implementation=PACKED,
+                                                       dtype=torch.bfloat16)
             packed.load_state_dict(padded.state_dict())
             yield "Qwen2.5-1.5B shape, bf16, vocab", padded.train(), packed.train(), 32
             return
@@ -167,16 +182,19 @@ def packing(shape, budget=8192):
             for kind in ("tiny", "long_tail", "groups"):
                 rows, masks = shaped_batch(kind, n_rows, padded.config.vocab_size)
                 lengths = [len(r) for r in rows]
-                batch = {"input_ids": pad_rows(rows, 0), **shared_prompts(rows, masks), "action_mask": pad_rows(masks, 0, torch.float32),
-                         "lengths": lengths}
+                batch = {"input_ids": pad_rows(rows, 0), **shared_prompts(rows, masks),
+                         "action_mask": pad_rows(masks, 0, torch.float32), "lengths": lengths}
                 tokens = sum(lengths)
                 computed = sum(len(b) * lengths[b[0]] for b in padded_micro_batches(lengths))
-                pairs = [(median_time(lambda: padded_pass(padded, rows, masks), 1), median_time(lambda: packed_pass(packed, batch), 1))
+                pairs = [(median_time(lambda: padded_pass(padded, rows, masks), 1),
+                          median_time(lambda: packed_pass(packed, batch), 1))
                          for _ in range(3)]  # in turn, so that the machine's load drifts over both alike
                 before, after = statistics.median(b for b, _ in pairs), statistics.median(a for _, a in pairs)
                 print(f"{kind:>9} batch, {name} ({padded.config.vocab_size}), {n_rows} rows, {tokens} tokens "
-                      f"({sum(map(sum, masks)) / tokens:.0%} actions, longest {max(lengths)}), budget {budget}: padded {tokens / before:,.0f} "
-                      f"tokens/s (padding {computed / tokens - 1:.0%}), packed {tokens / after:,.0f} tokens/s (padding 0%): {before / after:.2f}x",
+                      f"({sum(map(sum, masks)) / tokens:.0%} actions, longest {max(lengths)}), "
+                      f"budget {budget}: padded {tokens / before:,.0f} tokens/s "
+                      f"(padding {computed / tokens - 1:.0%}), packed {tokens / after:,.0f} tokens/s "
+                      f"(padding 0%): {before / after:.2f}x",
                       flush=True)
 
 
@@ -212,13 +230,16 @@ def update_only(micro_tokens=16384, seq_len=2048, steps=5):
         if step:
             times.append(time.perf_counter() - t)
     sec = statistics.median(times)
-    state_bytes = sum(p.to_local().numel() * p.element_size() * 4 for p in model.parameters())  # fp32 weight, grad, Adam m and v
+    # fp32 weight, grad, Adam m and v
+    state_bytes = sum(p.to_local().numel() * p.element_size() * 4 for p in model.parameters())
     tps = rows * seq_len / sec
     peak = torch.cuda.max_memory_allocated()
-    print(f"update, Qwen2.5-1.5B shape ({n_params / 1e9:.2f}B params), {rows}x{seq_len} tokens per step, {world} GPU(s), bf16 + "
-          f"activation checkpointing: {sec:.3f}s/step, {tps:,.0f} tokens/s per GPU, MFU {6 * n_params * tps / 989e12:.1%} "
-          f"(6 x params x tokens/s over the H100 SXM dense bf16 peak of 989 TFLOP/s, the recompute not counted), "
-          f"peak memory {peak / 2**30:.1f} GiB ({(peak - state_bytes) / (rows * seq_len) / 2**10:.0f} KiB per micro-batch token "
+    print(f"update, Qwen2.5-1.5B shape ({n_params / 1e9:.2f}B params), {rows}x{seq_len} tokens per step, "
+          f"{world} GPU(s), bf16 + activation checkpointing: {sec:.3f}s/step, {tps:,.0f} tokens/s per GPU, "
+          f"MFU {6 * n_params * tps / 989e12:.1%} "
+          f"(6 x params x tokens/s over the H100 SXM dense bf16 peak of 989 TFLOP/s, "
+          f"the recompute not counted), peak memory {peak / 2**30:.1f} GiB "
+          f"({(peak - state_bytes) / (rows * seq_len) / 2**10:.0f} KiB per micro-batch token "
           f"beyond the {state_bytes / 2**30:.1f} GiB of weights, gradients and optimizer state)")
     dist.destroy_process_group()
 
@@ -227,19 +248,22 @@ def balance(steps, sittings=2):
     task = os.path.join(ROOT, "tests", "uneven_task.py")
     for sitting in range(sittings):
         for on in ("false", "true"):
-            rows = train_steps(2, ["algo=grpo", f"steps={steps}", f"data.task={task}", "data.shuffle=false", "task.num_train=16",
-                                   "rollout.prompts_per_step=16", "rollout.group_size=4", "ppo.mini_batch_size=64", f"train.balance_ranks={on}"], 1)
+            rows = train_steps(2, ["algo=grpo", f"steps={steps}", f"data.task={task}", "data.shuffle=false",
+                                   "task.num_train=16", "rollout.prompts_per_step=16", "rollout.group_size=4",
+                                   "ppo.mini_batch_size=64", f"train.balance_ranks={on}"], 1)
             med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
-            print(f"sitting {sitting + 1}, balance_ranks={on:5s}: rank_imbalance {med('rank_imbalance'):.2f} | step {med('time/step'):.2f}s | "
-                  f"rollout {med('time/rollout'):.2f}s | update {med('time/update'):.2f}s | {med('tokens_per_s'):.0f} tokens/s "
-                  f"(median of {len(rows)} steps)")
+            print(f"sitting {sitting + 1}, balance_ranks={on:5s}: "
+                  f"rank_imbalance {med('rank_imbalance'):.2f} | step {med('time/step'):.2f}s | "
+                  f"rollout {med('time/rollout'):.2f}s | update {med('time/update'):.2f}s | "
+                  f"{med('tokens_per_s'):.0f} tokens/s (median of {len(rows)} steps)")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--update-only", action="store_true")
     parser.add_argument("--packing", action="store_true")
-    parser.add_argument("--shape", choices=["tiny", "qwen2.5-1.5b"], default="tiny", help="--packing: the model's shape")
+    parser.add_argument("--shape", choices=["tiny", "qwen2.5-1.5b"], default="tiny",
+                        help="--packing: the model's shape")
     parser.add_argument("--balance", action="store_true")
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
@@ -250,7 +274,8 @@ if __name__ == "__main__":
     elif args.packing:
         packing(args.shape)
     else:
-        for algo, credit, context in (("grpo", "token", "full"), ("grpo", "token", "last_k"), ("ppo", "token", "full"),
-                                      ("ppo", "step", "full"), ("ppo", "step", "last_k")):
+        for algo, credit, context in (("grpo", "token", "full"), ("grpo", "token", "last_k"),
+                                      ("ppo", "token", "full"), ("ppo", "step", "full"),
+                                      ("ppo", "step", "last_k")):
             for nproc in (1, 2):
                 end_to_end(args.steps, algo, nproc, credit, context)

@@ -56,19 +56,24 @@ def main():
     steps = parser.parse_args().steps
     cfg, model, tokenizer, train_rows, env = task_prompts()
     # the text nanoagent's engine is prompted with: chat template, calculator schema, generation prompt
-    dataset = Dataset.from_dict({"prompt": [env.render(row["messages"], add_generation_prompt=True) for row in train_rows],
+    dataset = Dataset.from_dict({"prompt": [env.render(row["messages"], add_generation_prompt=True)
+                                            for row in train_rows],
                                  "answer": [row["answers"][0] for row in train_rows]})
     times, generation = StepTimes(), []
     with tempfile.TemporaryDirectory() as out:
-        args = GRPOConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP,
-                          gradient_accumulation_steps=1, max_completion_length=NEW_TOKENS, temperature=1.0, learning_rate=LR,
-                          lr_scheduler_type="constant", warmup_steps=0, beta=0.0, num_iterations=1, use_cpu=True, bf16=False,
-                          gradient_checkpointing=False, model_init_kwargs={"dtype": torch.float32}, logging_steps=1,
+        args = GRPOConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=PROMPTS * GROUP,
+                          num_generations=GROUP, gradient_accumulation_steps=1,
+                          max_completion_length=NEW_TOKENS, temperature=1.0, learning_rate=LR,
+                          lr_scheduler_type="constant", warmup_steps=0, beta=0.0, num_iterations=1,
+                          use_cpu=True, bf16=False, gradient_checkpointing=False,
+                          model_init_kwargs={"dtype": torch.float32}, logging_steps=1,
                           save_strategy="no", report_to=[], seed=cfg.seed)
-        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[times])
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
+                              processing_class=tokenizer, callbacks=[times])
         trainer._generate = timed(trainer._generate, generation)
         trainer.train()
-    print("TRL_STEPS", json.dumps({"step": [b - a for a, b in zip(times.ends, times.ends[1:])], "generation": generation}))
+    print("TRL_STEPS", json.dumps({"step": [b - a for a, b in zip(times.ends, times.ends[1:])],
+                                   "generation": generation}))
 
 
 if __name__ == "__main__":

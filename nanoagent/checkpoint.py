@@ -2,52 +2,42 @@
 Checkpoints: sharded for exact resume, and a Hugging Face export for chat.py / rollout.py / vLLM.
 
 Sharded: torch.distributed.checkpoint (DCP) writes each rank's shards of the policy, the critic and
-their optimizers in parallel; a small per-rank JSON file holds the step, the data position and the
-RNG states (the learning rate is a function of the step), and `config.json` the run's config, so a
-resume can say what changed. Loading reads only plain data, because a checkpoint folder may come
-from elsewhere and unpickling runs code: our files are JSON, and the two pickles DCP itself reads
-(its `.metadata`, and small non-tensor values such as the optimizer's hyperparameters) are first
-unpickled by an allow-list (the metadata's own classes; torch.load's weights_only) that refuses
-anything else.
+their optimizers in parallel; a per-rank JSON file holds the step, the data position and the RNG
+states (the learning rate is a function of the step), and `config.json` the run's config, so a
+resume can say what changed. A checkpoint folder may come from elsewhere and unpickling runs code,
+so loading reads only plain data: our files are JSON, and DCP's pickles pass allow-lists first
+(nanoagent/safe_load.py).
 
 A checkpoint is complete when it holds its marker `COMPLETE` (its step and world size), written
-only after every file of it was fsynced: readers take nothing else, so a crash of the machine that
-loses unsynced data cannot leave a folder that looks complete; nor does one whose marker or
-config.json does not read as written (a damaged disk, a hand edit). resume=auto says which step
-folders it found and does not use, and why (a save cut short, an older nanoagent's checkpoint
-without a marker, a damaged marker), rather than resume from an older step without a word. A
-complete checkpoint can still fail to load (a disk that corrupts a shard, a file truncated by
-hand): load_latest then falls back to the previous complete one and says why; every rank takes the
-same decision, because loading is collective. Only the `train.keep_last` newest complete
-checkpoints are kept (a 3B model with AdamW in fp32 is ~36 GB per model per checkpoint); older ones
-are deleted only once the new one is complete.
+only after every file of it was fsynced, and when the marker and config.json read as written:
+neither a machine crash that loses unsynced data, nor a damaged disk or a hand edit, can leave a
+folder that looks complete. resume=auto says which step folders it does not use, and why, rather
+than resume from an older step without a word. A complete checkpoint can still fail to load (a
+corrupt shard): load_latest falls back to the previous one, on every rank alike (loading is
+collective). Only the `train.keep_last` newest are kept (a 3B model with AdamW in fp32 is ~36 GB
+per model per checkpoint); older ones are deleted only once the new one is complete.
 
 Every save (a checkpoint `checkpoints/step_XXXXXX`, the export `hf`) replaces its folder so that a
-kill at any instant leaves one complete copy: it is written into `<folder>.tmp`, an existing
-`<folder>` is renamed to `<folder>.old`, `<folder>.tmp` is renamed to `<folder>`, and only then is
-`<folder>.old` deleted. Rewriting an existing folder is common (every export, every rerun into a
-run_dir), and deleting it before the new one is in place would lose it to a kill. A folder cannot
-be swapped with another in one portable step, so between the two renames the complete copy is
-`<folder>.old`: latest_checkpoint takes it from there, and the next save or export renames it back.
-`.tmp` folders are partial (or never checked, or being pruned) and are ignored, then deleted by the
-next save.
+kill at any instant leaves one complete copy (rewriting is common: every export, every rerun into
+a run_dir): write `<folder>.tmp`, rename `<folder>` to `<folder>.old` and `<folder>.tmp` to
+`<folder>`, and only then delete `<folder>.old`. Folders cannot be swapped in one portable step, so
+between the two renames the complete copy is `<folder>.old`: latest_checkpoint takes it from there,
+and the next save renames it back. `.tmp` folders (partial, unverified or being pruned) are
+ignored, then deleted by the next save.
 
-A fresh start (resume=never) into a run_dir that holds a run moves that run aside to
-`<run_dir>.old-<time>` rather than refusing or deleting it: nothing of it can then be adopted by a
-later resume=auto (its step, its weights, its metrics), rerunning a command with resume=never just
-works (make demo), and the old run, maybe days of GPU time, is still there to look at or delete.
+A fresh start (resume=never) into a run_dir that holds a run moves it aside to
+`<run_dir>.old-<time>` rather than refusing or deleting it: no later resume=auto adopts any of it,
+rerunning a command just works (make demo), and the old run, maybe days of GPU time, is kept.
 
 Export: the full policy gathered to rank 0 and cast to the training dtype (the weights the trainer
 computes with, not the fp32 master copy), saved with save_pretrained (safetensors) with the
-tokenizer and its chat template, then loaded back with transformers and compared tensor by tensor,
-bitwise, before it replaces the previous export: an export that loads but holds other weights
+tokenizer and its chat template, then loaded back with transformers and compared bitwise, tensor
+by tensor, before it replaces the previous export: an export that loads but holds other weights
 must not pass silently.
 """
 
-import io
 import json
 import os
-import pickle
 import random
 import re
 import shutil
@@ -57,14 +47,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from transformers import AutoModelForCausalLM
 
 from nanoagent.common import print0
 from nanoagent.config import ConfigError, flatten, to_dict
 from nanoagent.keys import fixed_keys
+from nanoagent.safe_load import CheckedPlanner, CheckedReader
 
 STEP_DIR = re.compile(r"^step_(\d{6})(\.old|\.tmp)?$")
 MARKER = "COMPLETE"
@@ -96,9 +87,8 @@ def _read_json(path):
 
 
 def _restore(folder):
-    """Clean up after a save of `folder` that was killed: put back a complete copy that was moved
-    aside (only when `folder` itself is missing: otherwise `.old` is stale or half deleted), and
-    delete partial writes."""
+    """After a killed save of `folder`: put back a complete copy moved aside (only when `folder` is
+    missing: otherwise `.old` is stale or half deleted), and delete partial writes."""
     if os.path.isdir(folder + ".old") and not os.path.exists(folder):
         os.rename(folder + ".old", folder)
     shutil.rmtree(folder + ".old", ignore_errors=True)
@@ -115,16 +105,17 @@ def _move_into_place(folder):
 
 
 def _unusable(path, step):
-    """Why the step folder `path` (of `step`) cannot be resumed from, or None. Its marker and its
-    config.json must read as what save_checkpoint wrote (check_resume reads both): a disk that
-    damaged one, or a hand edit, must make the run fall back to the previous checkpoint, not stop."""
+    """Why the step folder `path` (of `step`) cannot be resumed from, or None. A damaged or hand-edited
+    marker or config.json (check_resume reads both) must make the run fall back, not stop."""
     if not os.path.exists(os.path.join(path, MARKER)):
-        return f"it has no {MARKER} marker (a save that did not finish, or a checkpoint of an older nanoagent)"
+        return (f"it has no {MARKER} marker (a save that did not finish, "
+                "or a checkpoint of an older nanoagent)")
     try:
         marker, config = _read_json(os.path.join(path, MARKER)), _read_json(os.path.join(path, "config.json"))
     except (OSError, ValueError) as e:
         return f"it does not read ({_reason(e)})"
-    if not (isinstance(marker, dict) and marker.get("step") == step and type(marker.get("world_size")) is int):
+    if not (isinstance(marker, dict) and marker.get("step") == step
+            and type(marker.get("world_size")) is int):
         return f"its {MARKER} marker is {str(marker)[:100]!r}, not {{'step': {step}, 'world_size': <ranks>}}"
     if not isinstance(config, dict):
         return f"its config.json holds a {type(config).__name__}, not a config"
@@ -132,9 +123,8 @@ def _unusable(path, step):
 
 
 def scan_checkpoints(run_dir):
-    """(complete, unused): the checkpoints in run_dir that can be resumed from, newest first (a
-    `step_N` folder, or `step_N.old` when a save was killed between its two renames and `step_N` is
-    missing), and the (folder, why) of every other step folder there, by name."""
+    """(complete, unused): the checkpoints in run_dir that can be resumed from, newest first
+    (`step_N`, or `step_N.old` when `step_N` is missing), and (folder, why) of every other one."""
     folder = os.path.join(run_dir, "checkpoints")
     names = set(os.listdir(folder)) if os.path.isdir(folder) else set()
     complete, unused = [], []
@@ -164,9 +154,8 @@ def latest_checkpoint(run_dir):
 
 
 def resume_checkpoint(run_dir):
-    """resume=auto: the folder of the highest complete checkpoint in run_dir, or None, after rank 0
-    said which step folders it found there and does not use, and why (the same on every rank: they
-    read the same files)."""
+    """resume=auto: latest_checkpoint, once rank 0 said which step folders it does not use and why
+    (the same on every rank: they read the same files)."""
     complete, unused = scan_checkpoints(run_dir)
     for path, why in unused:
         print0(f"resume=auto: not using {path}: {why}")
@@ -174,16 +163,16 @@ def resume_checkpoint(run_dir):
 
 
 def _prune(run_dir, keep_last):
-    """Delete all but the keep_last newest complete checkpoints (0: keep all). Each is first renamed
-    to `.tmp`, so a kill while it is deleted leaves no folder that looks complete."""
+    """Delete all but the keep_last newest complete checkpoints (0: keep all), each renamed to
+    `.tmp` first so that a kill mid-deletion leaves no folder that looks complete."""
     for path in complete_checkpoints(run_dir)[keep_last:] if keep_last else []:
         os.rename(path, path.removesuffix(".old") + ".tmp")
         shutil.rmtree(path.removesuffix(".old") + ".tmp")
 
 
 def start_fresh(run_dir):
-    """resume=never: a run_dir that holds anything is moved aside to `<run_dir>.old-<time>` by rank
-    0 (see the module docstring); returns where to, or None. Collective."""
+    """resume=never: rank 0 moves a non-empty run_dir aside to `<run_dir>.old-<time>` (see the
+    module docstring); returns where to, or None. Collective."""
     run_dir, aside = os.path.normpath(run_dir), None
     if dist.get_rank() == 0 and os.path.isdir(run_dir) and os.listdir(run_dir):
         stamp, n = time.strftime("%Y%m%d-%H%M%S"), 0
@@ -200,7 +189,8 @@ def _rng_state():
     """The RNG states as plain JSON data."""
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"python": [version, list(internal), gauss], "numpy": [name, keys.tolist(), pos, has_gauss, cached],
+    return {"python": [version, list(internal), gauss],
+            "numpy": [name, keys.tolist(), pos, has_gauss, cached],
             "torch": torch.get_rng_state().tolist()}
 
 
@@ -214,15 +204,15 @@ def _set_rng_state(state):
 
 def save_checkpoint(run_dir, step, models, optimizers, extra, config, keep_last=0):
     """
-    models / optimizers: dicts by name ("policy", "critic"); optimizers[name] belongs to
-    models[name]. extra: small JSON-able state (data position, ...). config: the run's config as a
-    dict (to_dict), saved with the checkpoint so a resume can compare. keep_last: complete
-    checkpoints kept (0: all). Collective: all ranks call.
+    models / optimizers: dicts by name ("policy", "critic"), optimizers[name] that of models[name].
+    extra: small JSON-able state (data position, ...). config: the run's config (to_dict), kept so
+    that a resume can compare. keep_last: complete checkpoints kept (0: all). Collective.
     """
     rank = dist.get_rank()
     folder = os.path.join(run_dir, "checkpoints")
     final = os.path.join(folder, f"step_{step:06d}")
-    dist.barrier()  # every rank is done reading the checkpoint it resumed from, which rank 0 may rename back below
+    # every rank is done reading the checkpoint it resumed from, which rank 0 may rename back below
+    dist.barrier()
     if rank == 0:
         os.makedirs(folder, exist_ok=True)
         for name in os.listdir(folder):
@@ -234,14 +224,19 @@ def save_checkpoint(run_dir, step, models, optimizers, extra, config, keep_last=
     for name, model in models.items():
         state[f"{name}/model"] = get_model_state_dict(model)
         state[f"{name}/optim"] = get_optimizer_state_dict(model, optimizers[name])
-    dcp.save(state, checkpoint_id=final + ".tmp")  # each rank fsyncs the files it writes (DCP's sync_files)
-    _write_json(os.path.join(final + ".tmp", f"rank{rank}.json"), {"step": step, "extra": extra, "rng": _rng_state()})
+    # each rank fsyncs the files it writes (DCP's sync_files)
+    dcp.save(state, checkpoint_id=final + ".tmp")
+    _write_json(os.path.join(final + ".tmp", f"rank{rank}.json"),
+                {"step": step, "extra": extra, "rng": _rng_state()})
     dist.barrier()
-    # a run_dir on each node's own disk would leave rank 0 marking complete a folder without the other nodes' shards
-    unseen = [r for r in range(dist.get_world_size()) if not os.path.exists(os.path.join(final + ".tmp", f"rank{r}.json"))]
+    # a run_dir on each node's own disk would leave rank 0 marking complete a folder without the
+    # other nodes' shards
+    unseen = [r for r in range(dist.get_world_size())
+              if not os.path.exists(os.path.join(final + ".tmp", f"rank{r}.json"))]
     if error := _agree(f"does not see the files of rank(s) {unseen}" if unseen else None):
-        raise ConfigError(f"run_dir={run_dir}: {error} in {final}.tmp; run_dir must be one folder that every node shares "
-                          "(a shared filesystem), not a folder of that name on each node's own disk")
+        raise ConfigError(f"run_dir={run_dir}: {error} in {final}.tmp; run_dir must be one folder "
+                          "that every node shares (a shared filesystem), not a folder of that name "
+                          "on each node's own disk")
     if rank == 0:
         _write_json(os.path.join(final + ".tmp", "config.json"), config)
         _fsync(final + ".tmp")  # every file's entry, before the marker says they are there
@@ -255,63 +250,35 @@ def save_checkpoint(run_dir, step, models, optimizers, extra, config, keep_last=
 
 def check_resume(path, cfg):
     """
-    Before resuming from the checkpoint at `path` with the config cfg: refuse (ConfigError) a
-    checkpoint beyond cfg.steps, another world size, or a change of a key declared fixed (nanoagent/keys.py),
-    naming them all; return the changes that apply, as "key: old -> new" lines.
+    Before resuming from `path` with cfg: refuse (ConfigError) a checkpoint beyond cfg.steps,
+    another world size, or a change of a key declared fixed (nanoagent/keys.py), naming them all;
+    return the changes that apply, as "key: old -> new" lines.
     """
     marker = _read_json(os.path.join(path, MARKER))
     if marker["step"] > cfg.steps:
-        raise ConfigError(f"{path} is at step {marker['step']}, beyond steps={cfg.steps}: resume with steps >= {marker['step']}, "
-                          f"or start a new run with resume=never (the old one is moved aside) or another run_dir")
+        raise ConfigError(f"{path} is at step {marker['step']}, beyond steps={cfg.steps}: resume with "
+                          f"steps >= {marker['step']}, or start a new run with resume=never (the old one "
+                          f"is moved aside) or another run_dir")
     if marker["world_size"] != dist.get_world_size():
-        raise ConfigError(f"{path} was written by {marker['world_size']} ranks and this run has {dist.get_world_size()}: the data "
-                          f"position and the RNG states are per rank; resume on {marker['world_size']} ranks "
-                          "(torchrun's nnodes x nproc_per_node), or start a new run with resume=never "
-                          "(the old one is moved aside) or another run_dir")
+        raise ConfigError(f"{path} was written by {marker['world_size']} ranks and this run has "
+                          f"{dist.get_world_size()}: the data position and the RNG states are per rank; "
+                          f"resume on {marker['world_size']} ranks (torchrun's nnodes x nproc_per_node), "
+                          "or start a new run with resume=never (the old one is moved aside) "
+                          "or another run_dir")
     saved, current = flatten(_read_json(os.path.join(path, "config.json"))), flatten(to_dict(cfg))
     changes = [(key, saved.get(key), value) for key, value in current.items() if saved.get(key) != value]
     fixed = [f"{key}: {old!r} -> {new!r}" for key, old, new in changes if key in fixed_keys(cfg)]
     if fixed:
-        raise ConfigError(f"{path} cannot be resumed with these changes: {'; '.join(fixed)}. The checkpoint's weights, optimizer "
-                          "state and data position belong to its model, algorithm, data and batch shapes; start a new run "
-                          "(resume=never moves the old one aside, or another run_dir)")
+        raise ConfigError(f"{path} cannot be resumed with these changes: {'; '.join(fixed)}. The "
+                          "checkpoint's weights, optimizer state and data position belong to its model, "
+                          "algorithm, data and batch shapes; start a new run (resume=never moves the old "
+                          "one aside, or another run_dir)")
     return [f"{key}: {old!r} -> {new!r}" for key, old, new in changes]
 
 
-# The globals of DCP's `.metadata` pickle (torch 2.x): its dataclasses, torch.Size, a dtype, a layout, a path
-METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                    ("torch.distributed.checkpoint.filesystem", "_StorageInfo")} | {
-    ("torch.distributed.checkpoint.metadata", name) for name in ("Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata",
-                                                                  "BytesStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        if (module, name) in METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's .metadata")
-
-
-class _CheckedReader(dcp.FileSystemReader):
-    """DCP's reader, with its `.metadata` pickle unpickled first with only the globals it is made of."""
-
-    def read_metadata(self, *args, **kwargs):
-        rank = kwargs.get("rank")  # DCP falls back to a rank's own metadata file when the global one does not load
-        with open(os.path.join(self.path, ".metadata" if rank is None else f"__{rank}.metadata"), "rb") as f:
-            _MetadataUnpickler(f).load()
-        return super().read_metadata(*args, **kwargs)
-
-
-class _CheckedPlanner(DefaultLoadPlanner):
-    """DCP's load planner, with each non-tensor value torch.load-ed first with weights_only=True."""
-
-    def load_bytes(self, read_item, value):
-        torch.load(io.BytesIO(value.getvalue()), weights_only=True)
-        super().load_bytes(read_item, value)
-
-
 def _reason(e):
-    """An exception in one line: DCP's carries the failing ranks' tracebacks, whose last line says what failed."""
+    """An exception in one line: DCP's carries the failing ranks' tracebacks, whose last line says
+    what failed."""
     return f"{type(e).__name__}: {e}".strip().splitlines()[-1]
 
 
@@ -338,8 +305,9 @@ def load_checkpoint(path, models, optimizers):
         state[f"{name}/model"] = get_model_state_dict(model)
         state[f"{name}/optim"] = get_optimizer_state_dict(model, optimizers[name])
     try:
-        dcp.load(state, storage_reader=_CheckedReader(path), planner=_CheckedPlanner())
-    except (Exception, dcp.CheckpointException) as e:  # whatever a damaged or unsafe file raises (DCP's is a BaseException)
+        dcp.load(state, storage_reader=CheckedReader(path), planner=CheckedPlanner())
+    # whatever a damaged or unsafe file raises (DCP's is a BaseException)
+    except (Exception, dcp.CheckpointException) as e:
         error = _reason(e)
     if error := _agree(error):
         raise CheckpointError(f"{path} does not load: {error}")
@@ -351,9 +319,9 @@ def load_checkpoint(path, models, optimizers):
 
 
 def load_latest(run_dir, models, optimizers):
-    """Load the newest complete checkpoint of run_dir that loads, falling back to the previous
-    complete one (and saying why) when one does not; returns (path, step, extra), or (None, 0, None)
-    when run_dir has none. Raises when none of them loads. Collective."""
+    """The newest complete checkpoint of run_dir that loads, falling back (and saying why) past
+    those that do not: (path, step, extra), or (None, 0, None) when there is none; raises when
+    none of them loads. Collective."""
     paths, failures = complete_checkpoints(run_dir), []
     for i, path in enumerate(paths):
         try:
@@ -371,12 +339,12 @@ def load_latest(run_dir, models, optimizers):
 
 def export_hf(model, tokenizer, out_dir, dtype):
     """
-    Gather the full policy to rank 0 and write a Hugging Face folder (safetensors in `dtype`,
-    config, generation config, tokenizer with its chat template) that transformers and vLLM load;
-    it replaces out_dir only once verify_export has passed. dtype: the trainer's compute dtype
-    (torch.bfloat16 or torch.float32). Collective.
+    Write the full policy to a Hugging Face folder that transformers and vLLM load (safetensors in
+    `dtype`, the trainer's compute dtype; configs; tokenizer with its chat template), replacing
+    out_dir only once verify_export has passed. Collective.
     """
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # {} on ranks > 0
+    # the full state dict on rank 0 (in CPU memory), {} on the other ranks
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     out_dir = os.path.normpath(out_dir)
     if dist.get_rank() == 0:
         full = {name: tensor.to(dtype) for name, tensor in full.items()}
@@ -398,11 +366,13 @@ def export_hf(model, tokenizer, out_dir, dtype):
 
 
 def _first_difference(full_state_dict, folder, dtype):
-    """What first differs between the Hugging Face folder loaded in dtype and the full state dict
-    cast to dtype, or None."""
+    """What first differs between the exported folder loaded in dtype and the full state dict cast
+    to dtype, or None."""
     try:
-        exported = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).state_dict()  # tied weights under each name
-    except Exception as e:  # a folder that does not load is a failed export too; rank 0 must still share its verdict
+        # tied weights under each name
+        exported = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).state_dict()
+    # a folder that does not load is a failed export too; rank 0 must still share its verdict
+    except Exception as e:
         return f"it does not load ({type(e).__name__}: {e})"
     for name, tensor in exported.items():
         if name not in full_state_dict:
@@ -417,11 +387,10 @@ def _first_difference(full_state_dict, folder, dtype):
 
 def verify_export(full_state_dict, folder, dtype):
     """
-    Rank 0 loads the exported folder with transformers and compares every tensor with the gathered
-    full state dict cast to dtype, exactly: the export is that cast and nothing else, so a correct
-    run never fails this. Rank 0's verdict is broadcast, so every rank raises (or returns) together
-    instead of one of them waiting in a collective. full_state_dict: the gathered full state dict
-    on rank 0 (other ranks: anything). Collective.
+    Rank 0 loads the exported folder and compares every tensor with full_state_dict (the gathered
+    one on rank 0, anything elsewhere) cast to dtype, exactly: the export is that cast and nothing
+    else, so a correct run never fails this. The verdict is broadcast, so that every rank raises or
+    returns together rather than one waiting in a collective. Collective.
     """
     verdict = [_first_difference(full_state_dict, folder, dtype) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(verdict, src=0)

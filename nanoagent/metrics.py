@@ -16,7 +16,8 @@ from nanoagent.engine import SamplingConfig
 
 def mean_over_updates(results):
     """[(shares, globals)] of one model's optimizer steps in this step -> their means."""
-    mean = lambda dicts: {k: sum(d[k] for d in dicts) / len(dicts) for k in dicts[0]} if dicts else {}  # noqa: E731
+    mean = lambda dicts: ({k: sum(d[k] for d in dicts) / len(dicts) for k in dicts[0]}  # noqa: E731
+                          if dicts else {})
     return mean([r[0] for r in results]), mean([r[1] for r in results])
 
 
@@ -32,29 +33,37 @@ def step_metrics(step, trajs, dropped, batch, policy_updates, critic_updates, kl
     policy_shares, policy_globals = mean_over_updates(policy_updates)
     critic_shares, critic_globals = mean_over_updates(critic_updates)
     mask = batch["action_mask"]  # the trained tokens: where the trainer's logprobs were computed
-    # the engine's logprobs against the trainer's of the same distribution (renormalised over the top_p nucleus,
-    # model.old_policy_forward); -inf where this rank compared no token: the max over ranks is then the gap of the ranks that did
-    engine_diff = (batch["nucleus_logprobs"] - batch["rollout_logprobs"]).abs()[mask > 0].max().item() if mask.any() else -math.inf
-    update_tokens = packed_tokens(batch, (mask.sum(-1) > 0).nonzero().flatten().tolist())  # what this rank's trainer passes computed
-    sums = {**{k: v * len(trajs) for k, v in per_trajectory.items()}, **policy_shares, **critic_shares, "trajectories": len(trajs),
-            "action_tokens": float(sum(sum(t.action_mask) for t in trajs)), "trained_tokens": mask.sum().item(),
-            "tokens": float(sum(batch["lengths"])), "update_tokens": update_tokens, "ranks": 1}
+    # the engine's logprobs against the trainer's of the same distribution (renormalised over the top_p
+    # nucleus, model.old_policy_forward); -inf where this rank compared no token: the max over ranks is
+    # then the gap of the ranks that did
+    engine_diff = ((batch["nucleus_logprobs"] - batch["rollout_logprobs"]).abs()[mask > 0].max().item()
+                   if mask.any() else -math.inf)
+    # what this rank's trainer passes computed
+    update_tokens = packed_tokens(batch, (mask.sum(-1) > 0).nonzero().flatten().tolist())
+    sums = {**{k: v * len(trajs) for k, v in per_trajectory.items()}, **policy_shares, **critic_shares,
+            "trajectories": len(trajs), "action_tokens": float(sum(sum(t.action_mask) for t in trajs)),
+            "trained_tokens": mask.sum().item(), "tokens": float(sum(batch["lengths"])),
+            "update_tokens": update_tokens, "ranks": 1}
     if kl is not None:
         sums["kl"] = kl.sum().item()
-    maxes = {**policy_globals, **critic_globals, "engine_logprob_diff": engine_diff, "busiest_rank_tokens": update_tokens}
+    maxes = {**policy_globals, **critic_globals, "engine_logprob_diff": engine_diff,
+             "busiest_rank_tokens": update_tokens}
     total = reduce_metrics(sums, maxes)
     metrics = {"step": step + 1, **{k: total[k] / total["trajectories"] for k in per_trajectory}}
-    metrics.update({k: total[k] for k in [*policy_shares, *critic_shares, *policy_globals, *critic_globals, "engine_logprob_diff"]})
+    metrics.update({k: total[k] for k in [*policy_shares, *critic_shares, *policy_globals, *critic_globals,
+                                          "engine_logprob_diff"]})
     if total["trained_tokens"] == 0:  # every trajectory was left out: nothing was compared
         del metrics["engine_logprob_diff"]
     metrics["policy_updates"] = len(policy_updates)  # 0 when every trajectory was left out: no step taken
-    # the busiest rank's trainer tokens over the mean rank's (1: even; every pass waits for the busiest): train.balance_ranks
+    # the busiest rank's trainer tokens over the mean rank's (1: even; every pass waits for the
+    # busiest): train.balance_ranks
     metrics["rank_imbalance"] = total["busiest_rank_tokens"] * total["ranks"] / max(total["update_tokens"], 1)
     if kl is not None:  # over the tokens that train
         metrics["kl"] = total["kl"] / max(total["trained_tokens"], 1)
     t0, t1, t2, t3, t4 = times
-    metrics.update({"time/rollout": t1 - t0, "time/forward": t2 - t1, "time/update": t3 - t2, "time/push": t4 - t3, "time/step": t4 - t0,
-                    "tokens_per_s": total["tokens"] / (t4 - t0), "action_tokens_per_s": total["action_tokens"] / (t4 - t0)})
+    metrics.update({"time/rollout": t1 - t0, "time/forward": t2 - t1, "time/update": t3 - t2,
+                    "time/push": t4 - t3, "time/step": t4 - t0, "tokens_per_s": total["tokens"] / (t4 - t0),
+                    "action_tokens_per_s": total["action_tokens"] / (t4 - t0)})
     return metrics
 
 
@@ -96,7 +105,8 @@ def step_line(metrics, cfg, first_step, elapsed):
     return (f"step {m['step']:4d}/{cfg.steps} | reward {m['reward']:.3f}{score} | turns {m['turns']:.2f} | "
             f"resp {m['response_tokens']:.0f} | "
             f"{kl}{update} | drop {m['dropped_uniform']:.2f}+{m['dropped_overlong']:.2f} | "
-            f"rollout {m['time/rollout']:.1f}s fwd {m['time/forward']:.1f}s upd {m['time/update']:.1f}s push {m['time/push']:.2f}s | "
+            f"rollout {m['time/rollout']:.1f}s fwd {m['time/forward']:.1f}s upd {m['time/update']:.1f}s "
+            f"push {m['time/push']:.2f}s | "
             f"{m['tokens_per_s']:.0f} tok/s | elapsed {duration(elapsed)} eta {duration(eta)}{evaluation}")
 
 
@@ -110,12 +120,13 @@ def left_out(metrics):
 
 
 def idle_stop(metrics, steps):
-    """Why a run stops after `steps` steps in a row that trained nothing (train.max_idle_steps), and what to do."""
-    return (f"{steps} steps in a row trained nothing ({left_out(metrics)}; mean reward {metrics['reward']:.3f}): "
-            "a group whose rewards are all equal gives the policy no signal. Warm start by imitation "
-            "(train.warm_start_steps), sample more per prompt (rollout.group_size), give partial credit "
-            "(reward.format_weight), or an easier task; train.max_idle_steps=0 never stops. The last "
-            "checkpoint holds this step")
+    """Why a run stops after `steps` steps in a row that trained nothing (train.max_idle_steps), and
+    what to do."""
+    return (f"{steps} steps in a row trained nothing ({left_out(metrics)}; mean reward "
+            f"{metrics['reward']:.3f}): a group whose rewards are all equal gives the policy no signal. "
+            "Warm start by imitation (train.warm_start_steps), sample more per prompt "
+            "(rollout.group_size), give partial credit (reward.format_weight), or an easier task; "
+            "train.max_idle_steps=0 never stops. The last checkpoint holds this step")
 
 
 def evaluate(engine, env, task, rows, cfg, rank, world):
@@ -124,15 +135,18 @@ def evaluate(engine, env, task, rows, cfg, rank, world):
     e.g. eval/2-hop/tool_calls: the behaviour behind a score)."""
     rows = rows[:cfg.eval.num_prompts]
     mine = rows[rank::world]
-    trajs = run_agent(engine, env, mine, SamplingConfig(cfg.rollout.max_new_tokens, greedy=True), cfg.rollout.max_turns,
-                      cfg.rollout.max_context_tokens)
+    trajs = run_agent(engine, env, mine, SamplingConfig(cfg.rollout.max_new_tokens, greedy=True),
+                      cfg.rollout.max_turns, cfg.rollout.max_context_tokens)
     for t in trajs:
         task.score(t, cfg)
     fields = ["reward", "turns", "tool_calls", *sorted({k for t in trajs for k in t.scores})]
-    types = sorted({str(r["type"]) for r in rows if r.get("type")})  # from every rank's rows: the same keys on all ranks
-    groups = {"": trajs, **{f"{ty}/": [t for t, r in zip(trajs, mine) if str(r.get("type")) == ty] for ty in types}}
+    # from every rank's rows: the same keys on all ranks
+    types = sorted({str(r["type"]) for r in rows if r.get("type")})
+    groups = {"": trajs, **{f"{ty}/": [t for t, r in zip(trajs, mine) if str(r.get("type")) == ty]
+                            for ty in types}}
     sums = {}
-    for prefix, members in groups.items():  # rollout_metrics' means, times the count: this rank's share of each total
+    # rollout_metrics' means, times the count: this rank's share of each total
+    for prefix, members in groups.items():
         means = rollout_metrics(members)
         sums[prefix + "n"] = len(members)
         sums.update({prefix + k: means.get(k, 0.0) * len(members) for k in fields})

@@ -27,15 +27,14 @@ and with the action mask of the same row.
 Packed micro-batches: a batch is [B, L] on the host (nanoagent/batch.py), but the models never
 compute padding (attention aside, below). The rows of a micro-batch are laid end to end into one
 sequence [1, T] (batch.micro_steps), with position ids that restart at 0 on every row, and
-attention that stays within each row: packed_attention,
-transformers' attention interface at work, makes one scaled_dot_product_attention call per bucket
-of rows of about the same length, padded to the bucket's longest (flash on a GPU where no mask is
-needed, and no T x T mask anywhere); a call per row would be launch-bound on a GPU. Rows that
-begin with the same prompt (a GRPO group's G samples: system prompt, tool schemas, question, often
-most of a row) share one copy of it: the prompt, then each row's own tokens, positions going on
-from the prompt's, each attending to the prompt and to itself (a tree, not a chain), so the
-prompt's forward and backward are paid once, not G times. Results come back to [B, L] exactly
-(batch.unpack).
+attention that stays within each row: packed_attention, plugged into transformers' attention
+interface, makes one scaled_dot_product_attention call per bucket of rows of about the same
+length, padded to the bucket's longest (flash on a GPU where no mask is needed, and no T x T mask
+anywhere); a call per row would be launch-bound on a GPU. Rows that begin with the same prompt (a
+GRPO group's G samples: system prompt, tool schemas, question, often most of a row) share one copy
+of it: the prompt, then each row's own tokens, positions going on from the prompt's, each
+attending to the prompt and to itself (a tree, not a chain), so the prompt's forward and backward
+are paid once, not G times. Results come back to [B, L] exactly (batch.unpack).
 
 Logits only where a logprob is used: the LM head, the log-softmax and the entropy run over the
 hidden states of the positions whose next token is an action token (transformers' logits_to_keep,
@@ -58,7 +57,8 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 from nanoagent.batch import micro_steps, unpack
 from nanoagent.logprobs import logprobs_and_entropy, nucleus_logprobs
 
-PACKED = "nanoagent_packed"  # the trainer's attention implementation (packed_attention), by its name in transformers
+# the trainer's attention implementation (packed_attention), by its name in transformers
+PACKED = "nanoagent_packed"
 
 
 def attention_plan(position_ids):
@@ -76,7 +76,8 @@ def attention_plan(position_ids):
     at 0 before it cannot be a shared prompt's continuation: it is refused, not read as one.
     """
     positions, device = position_ids[0], position_ids.device
-    starts = (torch.diff(positions, prepend=positions[:1]) != 1).nonzero().flatten().tolist()  # index 0 always
+    # where each segment starts: index 0 always
+    starts = (torch.diff(positions, prepend=positions[:1]) != 1).nonzero().flatten().tolist()
     by_length, root, opened = {}, 0, 0  # the last segment opened at 0: where it starts, its length
     for s, e, p in zip(starts, starts[1:] + [len(positions)], positions[starts].tolist()):
         if p == 0:
@@ -86,10 +87,12 @@ def attention_plan(position_ids):
                              f"segment of at least {p} tokens opened at 0 before it: a row's positions "
                              "start at 0, a row after a shared prompt goes on from the prompt's "
                              "(batch.packed_layout)")
-        by_length.setdefault(((e - s - 1).bit_length(), (p + e - s - 1).bit_length()), []).append((s, e, root, p))
+        by_length.setdefault(((e - s - 1).bit_length(), (p + e - s - 1).bit_length()),
+                             []).append((s, e, root, p))
     buckets, out, done = [], [0] * len(positions), 0
     for segments in by_length.values():
-        S, Q, K = len(segments), max(e - s for s, e, _, _ in segments), max(p + e - s for s, e, _, p in segments)
+        S, Q, K = (len(segments), max(e - s for s, e, _, _ in segments),
+                   max(p + e - s for s, e, _, p in segments))
         query_index, key_index = torch.zeros(S, Q, dtype=torch.long), torch.zeros(S, K, dtype=torch.long)
         mask = None if all(p == 0 for _, _, _, p in segments) else torch.zeros(S, 1, Q, K, dtype=torch.bool)
         for i, (s, e, root, p) in enumerate(segments):
@@ -101,12 +104,14 @@ def attention_plan(position_ids):
                 mask[i, 0, :n, :p] = True
                 mask[i, 0, :n, p:p + n] = torch.ones(n, n, dtype=torch.bool).tril()
                 mask[i, 0, n:, 0] = True
-        buckets.append((S, query_index.flatten().to(device), key_index.flatten().to(device), mask if mask is None else mask.to(device)))
+        buckets.append((S, query_index.flatten().to(device), key_index.flatten().to(device),
+                        mask if mask is None else mask.to(device)))
         done += S * Q
     return buckets, torch.tensor(out, device=device)
 
 
-def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, position_ids=None, plan=None, **kwargs):
+def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, position_ids=None,
+                     plan=None, **kwargs):
     """
     Causal attention within each row of a packed sequence: query [1, H, T, D], key and value
     [1, Hkv, T, D]. A row attends to itself; a row's own tokens after a shared prompt attend to the
@@ -119,17 +124,19 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     keeps packed rows apart through a T x T block-diagonal mask, T^2 memory and time.
     """
     if query.shape[0] != 1:
-        raise ValueError(f"packed attention takes one packed sequence, [1, T] ids and positions; got a batch of {query.shape[0]}")
+        raise ValueError(f"packed attention takes one packed sequence, [1, T] ids and positions; "
+                         f"got a batch of {query.shape[0]}")
     buckets, out = plan if plan is not None else attention_plan(position_ids)
     H, D, repeat = query.shape[1], query.shape[3], query.shape[1] // key.shape[1]
     results = []
     for S, query_index, key_index, mask in buckets:
-        q = query[0].index_select(1, query_index).view(H, S, -1, D).transpose(0, 1)                          # [S, H, Q, D]
-        k, v = (x[0].index_select(1, key_index).view(x.shape[1], S, -1, D).transpose(0, 1).repeat_interleave(repeat, 1)
-                for x in (key, value))                                                                    # [S, H, K, D]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling)   # [S, H, Q, D]
-        results.append(o.transpose(1, 2).reshape(-1, H, D))                                               # [S * Q, H, D]
-    return torch.cat(results).index_select(0, out)[None], None                                           # [1, T, H, D]
+        q = query[0].index_select(1, query_index).view(H, S, -1, D).transpose(0, 1)         # [S, H, Q, D]
+        k, v = (x[0].index_select(1, key_index).view(x.shape[1], S, -1, D).transpose(0, 1)
+                .repeat_interleave(repeat, 1) for x in (key, value))                        # [S, H, K, D]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           scale=scaling)                                   # [S, H, Q, D]
+        results.append(o.transpose(1, 2).reshape(-1, H, D))                                # [S * Q, H, D]
+    return torch.cat(results).index_select(0, out)[None], None                              # [1, T, H, D]
 
 
 AttentionInterface.register(PACKED, packed_attention)
@@ -148,11 +155,12 @@ class Critic(nn.Module):
 
     def forward(self, input_ids, position_ids, at):
         """The values of the states at positions `at` ([N]) of a packed sequence [1, T]: [N] fp32."""
-        hidden = self.backbone(input_ids=input_ids, position_ids=position_ids, plan=attention_plan(position_ids),
-                               use_cache=False).last_hidden_state                                                 # [1, T, H]
-        values = self.value_head(hidden[0, at].float())                                                          # [N, 1] fp32
+        hidden = self.backbone(input_ids=input_ids, position_ids=position_ids,
+                               plan=attention_plan(position_ids),
+                               use_cache=False).last_hidden_state                           # [1, T, H]
+        values = self.value_head(hidden[0, at].float())                                     # [N, 1] fp32
         # FSDP2 hooks the backward onto a module's output, which must not be a view of another tensor
-        return values.view(-1).clone()                                                                           # [N]
+        return values.view(-1).clone()                                                      # [N]
 
 
 # -----------------------------------------------------------------------------
@@ -198,7 +206,8 @@ def shard(model, compute_dtype=torch.float32, activation_checkpointing=False):
     for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=mp)
     if isinstance(model, Critic):
-        fully_shard(model.value_head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))
+        fully_shard(model.value_head,
+                    mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))
     fully_shard(model, mp_policy=mp)
     return model.train()
 
@@ -208,7 +217,8 @@ def empty_lm(config, dtype):
     as the rotary frequencies that checkpoints do not hold, computed for real."""
     with init_empty_weights():
         lm = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=PACKED)
-    lm.tie_weights()  # init_empty_weights unties the embedding and the LM head; the config says whether they are one
+    # init_empty_weights unties the embedding and the LM head; the config says whether they are one
+    lm.tie_weights()
     return lm
 
 
@@ -224,13 +234,15 @@ def build_sharded(model, weights, device, compute_dtype, activation_checkpointin
         for name, b in model.named_buffers():
             b.copy_(buffers[name])
     # a copy: set_model_state_dict puts this model's shards into the dict it is given
-    set_model_state_dict(model, dict(weights), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(model, dict(weights),
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model
 
 
 def build_policy(config, weights, device, compute_dtype, activation_checkpointing):
     """The policy: fp32 master weights, computed in compute_dtype."""
-    return build_sharded(empty_lm(config, torch.float32), weights, device, compute_dtype, activation_checkpointing)
+    return build_sharded(empty_lm(config, torch.float32), weights, device, compute_dtype,
+                         activation_checkpointing)
 
 
 def build_critic(config, weights, device, compute_dtype, activation_checkpointing):
@@ -245,7 +257,8 @@ def build_critic(config, weights, device, compute_dtype, activation_checkpointin
 def build_reference(config, weights, device, compute_dtype):
     """The frozen reference policy, stored in the compute dtype: it is never updated, so it needs
     no fp32 master copy."""
-    return build_sharded(empty_lm(config, compute_dtype), weights, device, compute_dtype).requires_grad_(False)
+    return build_sharded(empty_lm(config, compute_dtype), weights, device,
+                         compute_dtype).requires_grad_(False)
 
 
 def build_models(cfg, model_path, warm_dir, device):
@@ -255,16 +268,20 @@ def build_models(cfg, model_path, warm_dir, device):
     model; on a fresh start with a warm start (warm_dir None) the warm start returns it."""
     compute_dtype = getattr(torch, cfg.train.dtype)
     config, weights = training_config(model_path), read_weights(model_path)
-    models = {"policy": build_policy(config, weights, device, compute_dtype, cfg.train.activation_checkpointing)}
+    models = {"policy": build_policy(config, weights, device, compute_dtype,
+                                     cfg.train.activation_checkpointing)}
     if cfg.algo == "ppo":
-        models["critic"] = build_critic(config, weights, device, compute_dtype, cfg.train.activation_checkpointing)
+        models["critic"] = build_critic(config, weights, device, compute_dtype,
+                                        cfg.train.activation_checkpointing)
     ref = None  # a fresh start's warm start returns its own, the warm-started policy (imitation.imitate)
     if warm_dir is not None and os.path.isdir(warm_dir):  # a resumed run that warm-started
         ref = load_reference(cfg, warm_dir, device)
     elif cfg.train.kl_mode != "none" and (warm_dir is not None or not cfg.train.warm_start_steps):
         ref = build_reference(config, weights, device, compute_dtype)  # the model: the weights read above
-    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=cfg.train.lr if name == "policy" else cfg.ppo.critic_lr,
-                                          weight_decay=cfg.train.weight_decay) for name, m in models.items()}
+    optimizers = {name: torch.optim.AdamW(m.parameters(),
+                                          lr=cfg.train.lr if name == "policy" else cfg.ppo.critic_lr,
+                                          weight_decay=cfg.train.weight_decay)
+                  for name, m in models.items()}
     return models, ref, optimizers
 
 
@@ -305,7 +322,8 @@ def read_positions(position_ids, needed):
     row (it has no state before it)."""
     positions = position_ids[0]
     index = torch.arange(len(positions), device=positions.device)
-    prompt = torch.where(positions == 0, index, 0).cummax(0).values  # [T] where the row or prompt of each token starts
+    # [T] where the row or prompt of each token starts
+    prompt = torch.where(positions == 0, index, 0).cummax(0).values
     follows = torch.cat([positions.new_zeros(1, dtype=torch.bool), positions[1:] == positions[:-1] + 1])
     state = torch.where(follows, index - 1, prompt + positions - 1)                  # [T]
     tokens = needed[0].nonzero().flatten()
@@ -331,8 +349,8 @@ def policy_forward(model, input_ids, position_ids, needed, temperature=1.0, top_
     tokens, at = read_positions(position_ids, needed)                                           # [N], [N]
     # squeeze, not [0]: a view, whose backward is a view too; [0]'s backward copies the logits' gradient
     # into a new [1, N, V] tensor, a second one beside the logits that logprobs_and_entropy overwrites
-    logits = model(input_ids=input_ids, position_ids=position_ids, plan=attention_plan(position_ids), logits_to_keep=at,
-                   use_cache=False).logits.squeeze(0)                                           # [N, V]
+    logits = model(input_ids=input_ids, position_ids=position_ids, plan=attention_plan(position_ids),
+                   logits_to_keep=at, use_cache=False).logits.squeeze(0)                        # [N, V]
     labels = input_ids[0, tokens]                                                               # [N]
     chosen = None
     if top_p is not None and top_p < 1.0:  # before logprobs_and_entropy, whose backward overwrites the logits
@@ -340,7 +358,8 @@ def policy_forward(model, input_ids, position_ids, needed, temperature=1.0, top_
             chosen = nucleus_logprobs(logits.detach(), labels, temperature, top_p)             # [N]
     logprobs, entropy = logprobs_and_entropy(logits, labels, temperature)                       # [N]
     length = input_ids.shape[1]
-    nucleus = None if top_p is None else scatter((logprobs if chosen is None else chosen).detach(), tokens, length)
+    nucleus = (None if top_p is None
+               else scatter((logprobs if chosen is None else chosen).detach(), tokens, length))
     return scatter(logprobs, tokens, length), scatter(entropy, tokens, length), nucleus
 
 

@@ -1,46 +1,30 @@
 """
-The trainer's models, how they are loaded and sharded, and their forward passes over trajectories.
+The trainer's models, how they are loaded and sharded, and their forward passes over trajectories:
+the policy (a Hugging Face causal LM), the critic (the same backbone plus a scalar value head, its own
+weights) and the reference (a frozen copy of the initial policy, only with a KL term).
 
-- policy: a Hugging Face causal LM; its per-token logprobs (and entropy) are recomputed here for
-  the sampled tokens, at the rollout temperature.
-- critic: the same pretrained backbone plus a scalar value head, with its own weights.
-- reference: a frozen copy of the initial policy, in the compute dtype (only with a KL term).
+Loading at scale: a 7B model in fp32 is 30 GB, and eight ranks each building one on the host is 240 GB.
+So every model is built on the meta device, sharded with FSDP2, allocated shard by shard, and filled by
+broadcast from rank 0, the only rank that reads the checkpoint.
 
-Loading at scale: a 7B model in fp32 is 30 GB, and eight ranks each building one on the host
-before sharding is 240 GB per model. So every model is built on the meta device, sharded with
-FSDP2, allocated shard by shard on its device, and filled by broadcast from rank 0, the only rank
-that reads the checkpoint (in the dtype it is stored in).
+Precision: fp32 master weights and optimizer state; with train.dtype=bfloat16 FSDP2 all-gathers and
+computes in bf16 and reduces gradients in fp32, on a CPU (gloo) as on a GPU (NCCL). The value head stays
+fp32: it is regressed onto returns of order 1. Train mode (transformers checkpoints activations only
+there), dropout off, no KV cache.
 
-Precision: the policy and critic keep fp32 master weights and optimizer state; with
-train.dtype=bfloat16, FSDP2 all-gathers the parameters in bf16 and computes in bf16, and reduces
-gradients in fp32. This is the same on a CPU (gloo) as on a GPU (NCCL). The critic's value head
-stays fp32: its output is regressed onto returns of order 1.
+Alignment, the one thing to get right: the logprob, entropy and value of token t come from the hidden
+state at position t-1 (where token t was chosen) and are stored at index t (index 0 holds 0), so every
+per-token tensor is [B, L], aligned with the ids and the action mask of the row.
 
-The trainer runs the models in train mode (transformers checkpoints activations only in train
-mode) with dropout off, so train mode computes what eval mode does, and without a KV cache.
-
-Alignment, the one thing to get right: in a row `ids[0..L)`, the logprob, entropy and value of
-token t come from the hidden state at position t-1 (the state in which token t was chosen), and
-are stored at index t. Index 0 holds 0. So every per-token tensor is [B, L], aligned with the ids
-and with the action mask of the same row.
-
-Packed micro-batches: a batch is [B, L] on the host (nanoagent/batch.py), but the models never
-compute padding (attention aside, below). The rows of a micro-batch are laid end to end into one
-sequence [1, T] (batch.micro_steps), with position ids that restart at 0 on every row, and
-attention that stays within each row: packed_attention, plugged into transformers' attention
-interface, makes one scaled_dot_product_attention call per bucket of rows of about the same
-length, padded to the bucket's longest (flash on a GPU where no mask is needed, and no T x T mask
-anywhere); a call per row would be launch-bound on a GPU. Rows that begin with the same prompt (a
-GRPO group's G samples: system prompt, tool schemas, question, often most of a row) share one copy
-of it: the prompt, then each row's own tokens, positions going on from the prompt's, each
-attending to the prompt and to itself (a tree, not a chain), so the prompt's forward and backward
-are paid once, not G times. Results come back to [B, L] exactly (batch.unpack).
-
-Logits only where a logprob is used: the LM head, the log-softmax and the entropy run over the
-hidden states of the positions whose next token is an action token (transformers' logits_to_keep,
-given the positions), and the critic's value head over those where a value is read; the rest of
-[B, L] holds 0. With tool results, game text and prompts most of a row, this is most of the LM
-head's work (a 152k vocabulary on Qwen2.5) saved.
+Packed micro-batches (batch.micro_steps): the rows are laid end to end into one sequence [1, T], never
+padding; packed_attention, plugged into transformers' attention interface, keeps attention within each
+row with one scaled_dot_product_attention call per bucket of rows of about the same length (flash on a
+GPU where no mask is needed, no T x T mask anywhere). Rows that begin with the same prompt (a GRPO
+group's samples) share one copy of it, each attending to the prompt and to itself (a tree), so the
+prompt's forward and backward are paid once, not G times. Logits only where a logprob is used: the LM
+head, log-softmax and entropy run only at the positions whose next token is an action (a 152k
+vocabulary on Qwen2.5: tool results and prompts are most of a row), the value head only where a value
+is read.
 """
 
 import os

@@ -257,9 +257,11 @@ class Key:
 
 def task_knobs(task):
     """
-    The dataclass of a task's own keys (task.*): the class `Knobs` of its file, or NoKnobs. It is read
-    from the file without importing it (a task imports torch and its own libraries; the config is read
-    first, by --help too), so Knobs may use only opt, Literal, dataclass and the builtins.
+    The dataclass of a task's own keys (task.*): the class `Knobs` of its file, one it takes from a task
+    in nanoagent/tasks/ (`from nanoagent.tasks.arithmetic import Knobs`, or `Knobs = arithmetic.Knobs`
+    after `from nanoagent.tasks import arithmetic`), or NoKnobs. It is read from the file without
+    importing it (a task imports torch and its own libraries; the config is read first, by --help too),
+    so Knobs may use only opt, Literal, dataclass and the builtins.
     """
     path = os.path.join(TASKS_DIR, f"{task}.py") if task in task_names() else task
     if not (task.endswith(".py") or task in task_names()):
@@ -272,7 +274,7 @@ def task_knobs(task):
         raise ConfigError(f"data.task={task!r}: {e}") from None
     knobs = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Knobs"]
     if not knobs:
-        return NoKnobs
+        return borrowed_knobs(tree)
     namespace = {"opt": opt, "Literal": Literal, "dataclass": dataclass}
     try:
         exec(compile(ast.Module(knobs, type_ignores=[]), path, "exec"), namespace)
@@ -280,6 +282,22 @@ def task_knobs(task):
         raise ConfigError(f"{path}: its Knobs may use only opt, Literal, dataclass and the builtins "
                           f"(nanoagent/keys.py: task_knobs): {type(e).__name__}: {e}") from None
     return namespace["Knobs"]
+
+
+def borrowed_knobs(tree):
+    """The Knobs a task file takes from a task in nanoagent/tasks/ (task_knobs), or NoKnobs."""
+    tasks = {}  # a name bound to a task module -> the task's name
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module == "nanoagent.tasks":
+            tasks.update({alias.asname or alias.name: alias.name for alias in node.names})
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("nanoagent.tasks."):
+            if any(alias.name == "Knobs" and alias.asname in (None, "Knobs") for alias in node.names):
+                return task_knobs(node.module.rsplit(".", 1)[1])
+        elif (isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["Knobs"]
+              and isinstance(node.value, ast.Attribute) and node.value.attr == "Knobs"
+              and ast.unparse(node.value.value) in tasks):
+            return task_knobs(tasks[ast.unparse(node.value.value)])
+    return NoKnobs
 
 
 def node_keys(node, prefix=""):

@@ -13,6 +13,7 @@ from nanoagent.tasks import arithmetic
 
 SYSTEM_PROMPT = arithmetic.SYSTEM_PROMPT
 QUESTION = arithmetic.QUESTION
+Knobs = arithmetic.Knobs
 tools = arithmetic.tools
 prompts = arithmetic.prompts
 demonstration = arithmetic.demonstration

@@ -159,7 +159,8 @@ def test_help_lists_every_task_and_preset_there_is(capsys):
 
 def test_a_task_declares_its_own_keys_in_its_file(tmp_path):
     """A task with a knob is one file: its Knobs give the task.* keys, with their bounds and whether a
-    resume may change them, read from the file without importing it (this one would not import)."""
+    resume may change them, read from the file without importing it (this one would not import); a
+    task that wraps another can take the other's."""
     path = tmp_path / "my_task.py"
     path.write_text("import no_such_library\nfrom dataclasses import dataclass\nfrom typing import Literal\n\n"
                     "from nanoagent.keys import opt\n\n\n@dataclass\nclass Knobs:\n"
@@ -177,6 +178,12 @@ def test_a_task_declares_its_own_keys_in_its_file(tmp_path):
     assert make_config("tiny").task.num_val == 32  # the tiny preset's arithmetic: its own keys
     reference_text = reference()
     assert "data.task=arithmetic:" in reference_text and "task.num_train" in reference_text
+    # a task that wraps another takes its keys
+    wrapper, importer = tmp_path / "wrapper.py", tmp_path / "importer.py"
+    wrapper.write_text("from nanoagent.tasks import arithmetic\n\nKnobs = arithmetic.Knobs\n")
+    importer.write_text("from nanoagent.tasks.hotpotqa import Knobs, score\n")
+    assert make_config("tiny", [f"data.task={wrapper}", "task.num_train=9"]).task.num_train == 9
+    assert make_config("tiny", [f"data.task={importer}", "task.search_top_k=2"]).task.search_top_k == 2
     path.write_text("@dataclass\nclass Knobs:\n    depth: int = opt(default_depth(), 'how deep')\n")
     with pytest.raises(ConfigError, match="its Knobs may use only opt, Literal, dataclass and the builtins"):
         make_config("tiny", [f"data.task={path}"])

@@ -12,6 +12,7 @@ from nanoagent.tasks import arithmetic
 
 SYSTEM_PROMPT = arithmetic.SYSTEM_PROMPT
 QUESTION = arithmetic.QUESTION
+Knobs = arithmetic.Knobs
 tools = arithmetic.tools
 demonstration = arithmetic.demonstration
 prepare = arithmetic.prepare

@@ -4,7 +4,8 @@ trajectory is left out of the update, and the run trains nothing (data.task=test
 """
 
 from nanoagent.tasks import arithmetic
-from nanoagent.tasks.arithmetic import QUESTION, SYSTEM_PROMPT, demonstration, prepare, prompts, tools  # noqa: F401
+from nanoagent.tasks.arithmetic import (QUESTION, SYSTEM_PROMPT, Knobs, demonstration, prepare, prompts,  # noqa: F401
+                                        tools)
 
 
 def score(traj, cfg):

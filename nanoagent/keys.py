@@ -238,7 +238,6 @@ class Config:
             self.task = task_knobs(self.data.task)()
 
 
-
 class ConfigError(ValueError):
     pass
 

@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from transformers import AutoModelForCausalLM
 
 from nanoagent.common import print0
-from nanoagent.config import ConfigError, flatten, to_dict
+from nanoagent.config import ConfigError, flatten, saved_keys, to_dict
 from nanoagent.keys import fixed_keys
 from nanoagent.safe_load import CheckedPlanner, CheckedReader
 
@@ -265,7 +265,7 @@ def check_resume(path, cfg):
                           f"resume on {marker['world_size']} ranks (torchrun's nnodes x nproc_per_node), "
                           "or start a new run with resume=never (the old one is moved aside) "
                           "or another run_dir")
-    saved, current = flatten(_read_json(os.path.join(path, "config.json"))), flatten(to_dict(cfg))
+    saved, current = saved_keys(_read_json(os.path.join(path, "config.json"))), flatten(to_dict(cfg))
     changes = [(key, saved.get(key), value) for key, value in current.items() if saved.get(key) != value]
     fixed = [f"{key}: {old!r} -> {new!r}" for key, old, new in changes if key in fixed_keys(cfg)]
     if fixed:

@@ -23,6 +23,9 @@ from nanoagent.presets import PRESETS
 # those whose baseline is the trajectory's group (rollout.group_size >= 2)
 OUTCOME_ALGOS = ("grpo", "rloo", "reinforce")
 GROUP_ALGOS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+# keys a task owns now that a run's saved config.json may hold under their old names
+MOVED = {"data.num_train": "task.num_train", "data.num_val": "task.num_val",
+         "data.index_dir": "task.index_dir", "rollout.search_top_k": "task.search_top_k"}
 
 
 def _parse_value(key, text, typ):
@@ -179,8 +182,17 @@ def to_dict(cfg):
 
 def from_dict(d):
     """Rebuild a Config from to_dict's output (e.g. a run's config.json), checking every key."""
-    overrides = [f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in flatten(d).items()]
+    saved = saved_keys(d)
+    overrides = [f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in saved.items()]
     return apply_overrides(Config(), overrides)
+
+
+def saved_keys(d):
+    """A saved config dict -> {"group.key": value}, a key that moved since (MOVED) under its new name
+    where the saved data.task has it, else left out (a task that never read it)."""
+    flat = flatten(d)
+    task_keys = node_keys(task_knobs(flat.get("data.task", Config().data.task))(), "task.")
+    return {MOVED.get(k, k): v for k, v in flat.items() if MOVED.get(k, k) in task_keys or k not in MOVED}
 
 
 def flatten(d, prefix=""):

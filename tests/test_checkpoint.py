@@ -39,7 +39,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from nanoagent.checkpoint import (CheckpointError, check_resume, export_hf, latest_checkpoint, load_checkpoint, load_latest,
                                   resume_checkpoint, save_checkpoint, start_fresh, verify_export)
 from nanoagent.common import MetricsLog
-from nanoagent.config import ConfigError, make_config, to_dict
+from nanoagent.config import ConfigError, from_dict, make_config, to_dict
 
 DRIVER = os.path.join(ROOT, "tests", "save_driver.py")
 CONFIG = to_dict(make_config("tiny"))
@@ -432,6 +432,13 @@ def test_resume_refuses_what_cannot_change_and_lists_what_does(tmp_path, tiny_mo
         check_resume(path, make_config("tiny", ["task.num_train=100"]))
     with pytest.raises(ConfigError, match="step_000002 is at step 2, beyond steps=1: resume with steps >= 2"):
         check_resume(path, make_config("tiny", ["steps=1"]))
+    # a checkpoint of an older nanoagent, whose config.json holds the task's keys under their old names
+    old = {**CONFIG, "data": {**CONFIG["data"], "num_train": 2048, "num_val": 32, "index_dir": "data/hotpotqa/index"},
+           "rollout": {**CONFIG["rollout"], "search_top_k": 3}}
+    del old["task"]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(old, f)
+    assert check_resume(path, make_config("tiny")) == [] and to_dict(from_dict(old)) == to_dict(make_config("tiny"))
     with open(os.path.join(path, "COMPLETE"), "w") as f:
         json.dump({"step": 2, "world_size": 2}, f)
     with pytest.raises(ConfigError, match="written by 2 ranks and this run has 1: .* resume on 2 ranks .*, "

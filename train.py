@@ -125,7 +125,7 @@ def logprobs_before_update(policy, ref, data, on_policy, cfg, device):
 def gae_advantages(critic, data, rewards, cfg, device):
     """
     ppo: [R, L] advantages, values, returns and value_mask: GAE over the critic's values, per action token
-    or (ppo.credit=data) per turn, whitened over the action tokens or the steps of all ranks.
+    or (ppo.credit=step) per turn, whitened over the action tokens or the steps of all ranks.
     """
     batch, mask = data.batch, data.batch["action_mask"]
     values = forward_all(lambda *packed: critic_forward(critic, *packed), batch, data.kept,

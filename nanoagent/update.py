@@ -56,7 +56,7 @@ def optimizer_step(model, optimizer, loss_sum, grad_clip):
 def ppo_epochs(models, optimizers, data, n_mini, policy_moves, on_policy, cfg, step, rank, world, device):
     """
     PPO epochs over n_mini mini-batches of the kept rows (a trajectory's rows stay in one mini-batch): the
-    critic's data, then the policy's (policy_moves: not in the critic's warm-up). Every rank takes the
+    critic's step, then the policy's (policy_moves: not in the critic's warm-up). Every rank takes the
     n_mini optimizer steps (collectives); one with no rows runs zero-weight passes. Returns the policy's
     and the critic's [(shares, globals)], and the on-policy update's own old logprobs (update_policy).
     """
@@ -75,9 +75,9 @@ def ppo_epochs(models, optimizers, data, n_mini, policy_moves, on_policy, cfg, s
                 critic_updates.append(update_critic(models["critic"], optimizers["critic"], batch, rows, cfg,
                                                     world, device))
             if policy_moves:
-                *update, own_logprobs = update_policy(models["policy"], optimizers["policy"], batch, rows,
-                                                      on_policy, cfg, world, device)
-                policy_updates.append(update)
+                shares, stats, own_logprobs = update_policy(models["policy"], optimizers["policy"], batch,
+                                                            rows, on_policy, cfg, world, device)
+                policy_updates.append((shares, stats))
     return policy_updates, critic_updates, own_logprobs
 
 

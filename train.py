@@ -52,7 +52,6 @@ from nanoagent.checkpoint import (check_resume, export_hf, load_latest, resume_c
 from nanoagent.common import (MetricsLog, all_reduce, exit_now, init_distributed, print0, seed_everything,
                               stop_on_signals)
 from nanoagent.config import ConfigError, format_config, make_config, reference, save_config, to_dict
-from nanoagent.presets import PRESETS
 from nanoagent.data import step_prompts
 from nanoagent.engine import SamplingConfig, make_engine, pad_token_id
 from nanoagent.hub import resolve_model
@@ -60,6 +59,7 @@ from nanoagent.imitation import imitate
 from nanoagent.metrics import evaluate, idle_stop, step_line, step_metrics
 from nanoagent.model import (build_models, critic_forward, forward_all, full_tensors, old_policy_forward,
                              policy_forward)
+from nanoagent.presets import PRESETS
 from nanoagent.tasks import load_task, task_data
 from nanoagent.update import get_lr, ppo_epochs, set_hyperparameters
 

@@ -103,12 +103,13 @@ def score_and_batch(task, trajs, pad_id, cfg, world):
 def logprobs_before_update(policy, ref, data, on_policy, cfg, device):
     """
     [R, L] each, on the trained rows: the policy's logprobs before the update and the same within the
-    rollout's top-p nucleus (as the engine reports them: engine_logprob_diff), None when the update is
-    exactly on-policy (its own forward gives them); the reference's, None without a reference.
+    rollout's top-p nucleus (as the engine reports them: engine_logprob_diff), zeros when the update is
+    exactly on-policy (its own forward gives them, unless nothing trains); the reference's, None without
+    a reference.
     """
     batch, kept, budget = data.batch, data.kept, cfg.train.micro_batch_tokens
     temperature, top_p = cfg.rollout.temperature, cfg.rollout.top_p
-    old = nucleus = ref_logprobs = None
+    old, nucleus, ref_logprobs = torch.zeros_like(batch["action_mask"]), torch.zeros_like(batch["action_mask"]), None
     if not on_policy:
         both = forward_all(lambda *packed: old_policy_forward(policy, *packed, temperature, top_p),
                            batch, kept, budget, device, per_token=(2,))
@@ -308,7 +309,7 @@ def main(argv=None):
         # 5. PPO epochs over mini-batches of the kept trajectories: critic, then policy (after its warm-up)
         policy_updates, critic_updates, own_logprobs = ppo_epochs(
             models, optimizers, data, n_mini, policy_moves, on_policy, cfg, step, rank, world, device)
-        if on_policy:  # the update's own forward gave the logprobs before it (for the metrics)
+        if own_logprobs is not None:  # on-policy: the update's own forward gave the logprobs before it
             batch["old_logprobs"], batch["nucleus_logprobs"] = own_logprobs
         kl = None if ref is None else rl.kl_penalty(batch["old_logprobs"], ref_logprobs, "k1") * mask
         t3 = time.perf_counter()

@@ -109,7 +109,8 @@ def logprobs_before_update(policy, ref, data, on_policy, cfg, device):
     """
     batch, kept, budget = data.batch, data.kept, cfg.train.micro_batch_tokens
     temperature, top_p = cfg.rollout.temperature, cfg.rollout.top_p
-    old, nucleus, ref_logprobs = torch.zeros_like(batch["action_mask"]), torch.zeros_like(batch["action_mask"]), None
+    zeros = torch.zeros_like(batch["action_mask"])
+    old, nucleus, ref_logprobs = zeros, zeros.clone(), None
     if not on_policy:
         both = forward_all(lambda *packed: old_policy_forward(policy, *packed, temperature, top_p),
                            batch, kept, budget, device, per_token=(2,))

@@ -214,15 +214,19 @@ def resume_or_warm_start(cfg, task, env, train_rows, models, optimizers, ref, ra
     return checkpoint, start_step, ref
 
 
-def stopped(stop, when, step, saved_step, save):
-    """After a SIGTERM (a preemption) or a Ctrl-C on any rank: the checkpoint of `step` (unless it is
-    saved already), and the exit code 128 + the signal (143, 130: a run not finished); else 0."""
-    signum = int(all_reduce([stop["signal"]], "max")[0])
-    if signum:
-        if saved_step != step:
-            save(step)
-        print0(f"{signal.Signals(signum).name} during {when}: checkpoint of step {step} written, stopping")
-    return 128 + signum if signum else 0
+def signal_received(stop):
+    """The signal (SIGTERM: a preemption, SIGINT: a Ctrl-C) any rank has received, else 0: the same on
+    every rank, so that all of them stop at the same safe point."""
+    return int(all_reduce([stop["signal"]], "max")[0])
+
+
+def checkpoint_and_stop(signum, when, step, saved_step, save):
+    """The checkpoint of `step` (unless it is saved already), and the exit code 128 + the signal (143,
+    130: a run not finished)."""
+    if saved_step != step:
+        save(step)
+    print0(f"{signal.Signals(signum).name} during {when}: checkpoint of step {step} written, stopping")
+    return 128 + signum
 
 
 def main(argv=None):
@@ -282,8 +286,8 @@ def main(argv=None):
                           seed=cfg.seed * 100_003 + step * world + rank)
         engine.sleep()
         # a SIGTERM or Ctrl-C: the rollout is dropped, and the state this step started from is saved
-        if (code := stopped(stop, f"step {step + 1}'s rollout", step, saved_step, save)):
-            return code
+        if (signum := signal_received(stop)):
+            return checkpoint_and_stop(signum, f"step {step + 1}'s rollout", step, saved_step, save)
         # 2. rewards: the task scores each trajectory; rewards sit on the action tokens that train
         data = score_and_batch(task, trajs, pad_token_id(tokenizer), cfg, world)
         batch, mask, rewards = data.batch, data.batch["action_mask"], data.rewards
@@ -319,7 +323,7 @@ def main(argv=None):
         engine.load_weights(full_tensors(policy))
         engine.wake(["kv_cache"])
         t4 = time.perf_counter()
-        stopping = int(all_reduce([stop["signal"]], "max")[0])
+        stopping = signal_received(stop)
         metrics = step_metrics(step, data.trajs, data.dropped, batch, policy_updates, critic_updates, kl,
                                [t0, t1, t2, t3, t4])
         metrics["lr"] = get_lr(step, cfg.train.lr, cfg.train.warmup_steps)
@@ -339,7 +343,7 @@ def main(argv=None):
         if idle_out:
             raise ConfigError(idle_stop(metrics, idle))
         if stopping:
-            return stopped(stop, f"step {step + 1}", step + 1, saved_step, save)
+            return checkpoint_and_stop(stopping, f"step {step + 1}", step + 1, saved_step, save)
 
     export_dir = os.path.join(cfg.run_dir, "hf")
     dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32

@@ -267,7 +267,8 @@ def check_resume(path, cfg):
                           "or another run_dir")
     saved, current = saved_keys(_read_json(os.path.join(path, "config.json"))), flatten(to_dict(cfg))
     changes = [(key, saved.get(key), value) for key, value in current.items() if saved.get(key) != value]
-    fixed = [f"{key}: {old!r} -> {new!r}" for key, old, new in changes if key in fixed_keys(cfg)]
+    fixed_now = fixed_keys(cfg)
+    fixed = [f"{key}: {old!r} -> {new!r}" for key, old, new in changes if key in fixed_now]
     if fixed:
         raise ConfigError(f"{path} cannot be resumed with these changes: {'; '.join(fixed)}. The "
                           "checkpoint's weights, optimizer state and data position belong to its model, "

@@ -45,7 +45,8 @@ stage index $TORCHRUN --standalone --nproc_per_node="$NGPU" build_index.py --cor
     --encoder="$ENCODER" --query-prefix="$QUERY_PREFIX" --passage-prefix="$PASSAGE_PREFIX"
 # shellcheck disable=SC2086  # EXTRA is a list of key=value overrides
 stage train $TORCHRUN --standalone --nproc_per_node="$NGPU" train.py --config=hotpotqa algo="$ALGO" model="$MODEL" \
-    run_dir="$OUT/run" data.train_path="$DATA/train.parquet" data.val_path="$DATA/val.parquet" task.index_dir="$DATA/index" $EXTRA
+    run_dir="$OUT/run" data.train_path="$DATA/train.parquet" data.val_path="$DATA/val.parquet" \
+    task.index_dir="$DATA/index" $EXTRA
 # the run's own config.json (rollout.py reads it beside the export): the budgets and sampling it
 # trained with, EXTRA's included
 stage eval $PY rollout.py --model="$OUT/run/hf" --data="$DATA/val.parquet" --index="$DATA/index" \

@@ -80,8 +80,8 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     kept = [i for i in range(rank, len(rows), world) if args.keep is None or i in args.keep]
     step = SimpleNamespace(batch=data, kept=kept)  # what ppo_epochs reads of a StepData
-    [(shares, _)], _, own = update.ppo_epochs({"policy": model}, {"policy": optimizer}, step, 1, True, args.on_policy,
-                                             cfg, 0, rank, world, torch.device("cpu"))  # one mini-batch
+    [(shares, _)], _, own = update.ppo_epochs({"policy": model}, {"policy": optimizer}, step, 1, True,
+                                             args.on_policy, cfg, 0, rank, world, torch.device("cpu"))
     grads = {n: before[n] - p.full_tensor() for n, p in model.named_parameters()}
     metrics = reduce_metrics(shares, {})  # what train.py logs
     old = (own[0] if args.on_policy else data["old_logprobs"]).clone()

@@ -271,7 +271,8 @@ def test_missing_index_is_refused(tiny_model_dir, tmp_path, capsys):
     status, err = main_fails(["--model", tiny_model_dir, "--tools", "search", "--index", str(tmp_path / "no_index"), "--question", "hi"], capsys)
     assert status == 2 and "no search index at" in err and "build_index.py" in err
     # the default tools come from the config: a search task (the defaults) needs its task.index_dir
-    status, err = main_fails(["--model", tiny_model_dir, f"task.index_dir={tmp_path / 'no_index'}", "--question", "hi"], capsys)
+    no_index = f"task.index_dir={tmp_path / 'no_index'}"
+    status, err = main_fails(["--model", tiny_model_dir, no_index, "--question", "hi"], capsys)
     assert status == 2 and "no search index at" in err
 
 

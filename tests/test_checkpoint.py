@@ -36,8 +36,9 @@ from test_train import QUICK, ROOT, train
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from nanoagent.checkpoint import (CheckpointError, check_resume, export_hf, latest_checkpoint, load_checkpoint, load_latest,
-                                  resume_checkpoint, save_checkpoint, start_fresh, verify_export)
+from nanoagent.checkpoint import (CheckpointError, check_resume, export_hf, latest_checkpoint,
+                                  load_checkpoint, load_latest, resume_checkpoint, save_checkpoint,
+                                  start_fresh, verify_export)
 from nanoagent.common import MetricsLog
 from nanoagent.config import ConfigError, from_dict, make_config, to_dict
 
@@ -428,17 +429,19 @@ def test_resume_refuses_what_cannot_change_and_lists_what_does(tmp_path, tiny_mo
         check_resume(path, make_config("tiny", ["algo=ppo", "rollout.group_size=2", "ppo.mini_batch_size=8", "train.lr=1e-3"]))
     # a task's own keys are declared fixed or not in its file (arithmetic: the training prompts are fixed)
     assert check_resume(path, make_config("tiny", ["task.num_val=16"])) == ["task.num_val: 32 -> 16"]
-    with pytest.raises(ConfigError, match=r"cannot be resumed with these changes: task.num_train: 2048 -> 100\."):
+    with pytest.raises(ConfigError, match=r"cannot be resumed with these changes: "
+                                          r"task.num_train: 2048 -> 100\."):
         check_resume(path, make_config("tiny", ["task.num_train=100"]))
     with pytest.raises(ConfigError, match="step_000002 is at step 2, beyond steps=1: resume with steps >= 2"):
         check_resume(path, make_config("tiny", ["steps=1"]))
     # a checkpoint of an older nanoagent, whose config.json holds the task's keys under their old names
-    old = {**CONFIG, "data": {**CONFIG["data"], "num_train": 2048, "num_val": 32, "index_dir": "data/hotpotqa/index"},
-           "rollout": {**CONFIG["rollout"], "search_top_k": 3}}
+    old_data = {**CONFIG["data"], "num_train": 2048, "num_val": 32, "index_dir": "data/hotpotqa/index"}
+    old = {**CONFIG, "data": old_data, "rollout": {**CONFIG["rollout"], "search_top_k": 3}}
     del old["task"]
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(old, f)
-    assert check_resume(path, make_config("tiny")) == [] and to_dict(from_dict(old)) == to_dict(make_config("tiny"))
+    assert check_resume(path, make_config("tiny")) == []
+    assert to_dict(from_dict(old)) == to_dict(make_config("tiny"))
     with open(os.path.join(path, "COMPLETE"), "w") as f:
         json.dump({"step": 2, "world_size": 2}, f)
     with pytest.raises(ConfigError, match="written by 2 ranks and this run has 1: .* resume on 2 ranks .*, "
@@ -455,7 +458,8 @@ def test_resumed_optimizer_takes_this_runs_hyperparameters(tmp_path, tiny_model_
     model, optimizer = build(tiny_model_dir)
     load_checkpoint(latest_checkpoint(str(tmp_path / "run")), {"policy": model}, {"policy": optimizer})
     assert optimizer.param_groups[0]["weight_decay"] == 0.5  # what the checkpoint holds
-    update.set_hyperparameters({"policy": optimizer}, 1, make_config("tiny", ["train.weight_decay=0.25", "train.lr=3e-5"]))
+    cfg = make_config("tiny", ["train.weight_decay=0.25", "train.lr=3e-5"])
+    update.set_hyperparameters({"policy": optimizer}, 1, cfg)
     assert optimizer.param_groups[0]["weight_decay"] == 0.25 and optimizer.param_groups[0]["lr"] == 3e-5
 
 

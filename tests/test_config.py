@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import procs
-from nanoagent.config import Config, ConfigError, all_keys, from_dict, make_config, reference, save_config, to_dict
+from nanoagent.config import (Config, ConfigError, all_keys, from_dict, make_config, reference, save_config,
+                              to_dict)
 from nanoagent.keys import fixed_keys
 from nanoagent.presets import PRESETS
 
@@ -115,7 +116,8 @@ def test_train_cli_prints_saves_and_refuses(tmp_path):
 
 def test_config_and_common_import_nothing_above_them():
     """common.py, keys.py and presets.py are the ground floor (they import no nanoagent module) and
-    config.py stands on them at most (a task's task.* keys are read from its file, not imported): every script and module reads them, so an import from them reaches up into the whole kit
+    config.py stands on them at most (a task's task.* keys are read from its file, not imported):
+    every script and module reads them, so an import from them reaches up into the whole kit
     (common -> tiny was an import circle, config -> tasks pulled the tasks into every config check).
     Every import in the file counts, one inside a function too."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -162,7 +164,8 @@ def test_a_task_declares_its_own_keys_in_its_file(tmp_path):
     resume may change them, read from the file without importing it (this one would not import); a
     task that wraps another can take the other's."""
     path = tmp_path / "my_task.py"
-    path.write_text("import no_such_library\nfrom dataclasses import dataclass\nfrom typing import Literal\n\n"
+    path.write_text("import no_such_library\nfrom dataclasses import dataclass\n"
+                    "from typing import Literal\n\n"
                     "from nanoagent.keys import opt\n\n\n@dataclass\nclass Knobs:\n"
                     "    depth: int = opt(3, 'how deep', low=1, fixed=True)\n"
                     "    mode: Literal['a', 'b'] = opt('a', 'which way')\n")
@@ -172,7 +175,8 @@ def test_a_task_declares_its_own_keys_in_its_file(tmp_path):
     assert {"task.depth", "data.task", "algo"} <= fixed_keys(cfg) and "task.mode" not in fixed_keys(cfg)
     for override, refusal in [("task.depth=0", "task.depth=0: must be >= 1"),
                               ("task.mode=c", "task.mode='c' is not a valid choice; valid: a, b"),
-                              ("task.num_train=8", f"unknown config key 'task.num_train' of data.task={path}.")]:
+                              ("task.num_train=8",
+                               f"unknown config key 'task.num_train' of data.task={path}.")]:
         with pytest.raises(ConfigError, match=re.escape(refusal)):
             make_config("tiny", [f"data.task={path}", override])
     assert make_config("tiny").task.num_val == 32  # the tiny preset's arithmetic: its own keys

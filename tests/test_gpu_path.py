@@ -204,7 +204,8 @@ def test_step_credit_trains_the_critic_where_the_step_values_are_read_only(proce
     batch["returns"] = torch.randn(boundaries.shape) * boundaries
     expected, _ = rl.clipped_value_loss(values, batch["values"], batch["returns"], boundaries, cfg.ppo.value_clip)
     rows = list(range(len(batch["lengths"])))
-    shares, _ = update.update_critic(critic, torch.optim.SGD(critic.parameters(), lr=0.0), batch, rows, cfg, 1, CPU)
+    frozen = torch.optim.SGD(critic.parameters(), lr=0.0)
+    shares, _ = update.update_critic(critic, frozen, batch, rows, cfg, 1, CPU)
     assert shares["vf_loss"] == pytest.approx((expected.sum() / boundaries.sum()).item(), rel=1e-4)
 
 
@@ -238,8 +239,10 @@ def test_a_row_per_turn_trains_like_one_row_when_nothing_is_left_out(process_gro
         outcomes = torch.tensor([(i % 3) / 2 for i in range(6)])  # update_batch's rewards
         batch["advantages"] = rl.outcome_token_advantages(rl.grpo_advantages(outcomes, torch.tensor([0, 0, 0, 1, 1, 1])), batch["process"],
                                                           batch["action_mask"], batch["steps"])
-        batch["shares"], _, _ = update.update_policy(policy, torch.optim.SGD(policy.parameters(), lr=1.0), batch, rows, False, cfg, 1, CPU)
-        batch["vf_shares"], _ = update.update_critic(critic, torch.optim.SGD(critic.parameters(), lr=1.0), batch, rows, cfg, 1, CPU)
+        policy_sgd = torch.optim.SGD(policy.parameters(), lr=1.0)
+        critic_sgd = torch.optim.SGD(critic.parameters(), lr=1.0)
+        batch["shares"], _, _ = update.update_policy(policy, policy_sgd, batch, rows, False, cfg, 1, CPU)
+        batch["vf_shares"], _ = update.update_critic(critic, critic_sgd, batch, rows, cfg, 1, CPU)
         updated[context] = {**dict(policy.named_parameters()), **{"critic." + n: p for n, p in critic.named_parameters()}}
     full, lastk = batches["full"], batches["last_k"]
     assert len(full["lengths"]) == 6 and len(lastk["lengths"]) == sum(map(len, full["steps"])) > 6  # several two-turn trajectories
@@ -290,5 +293,6 @@ def test_a_step_value_is_the_critics_after_everything_the_policy_read(process_gr
     assert batch["value_mask"].nonzero().tolist() == [[0, 1], [0, 5], [1, 1], [1, 5], [2, 1]]
     assert abs(read[0, 1] - read[1, 1]) > 1e-3  # V(s_0) follows the prompt's token
     # a one-step trajectory after a one-token prompt: the value loss at V(s_0) alone moves the critic
-    _, stats = update.update_critic(critic, torch.optim.SGD(critic.parameters(), lr=0.0), batch, [2], cfg, 1, CPU)
+    frozen = torch.optim.SGD(critic.parameters(), lr=0.0)
+    _, stats = update.update_critic(critic, frozen, batch, [2], cfg, 1, CPU)
     assert stats["vf_grad_norm"] > 0

@@ -155,7 +155,8 @@ def test_ranks_train_on_about_as_many_tokens_and_as_if_the_rows_had_stayed(tmp_p
     and the update is the one the rows would have made where they were rolled out: with one
     mini-batch, the global token-mean loss and its gradient do not depend on which rank holds a row."""
     uneven = ["algo=grpo", "steps=1", f"data.task={os.path.join(ROOT, 'tests', 'uneven_task.py')}", "data.shuffle=false",
-              "task.num_train=8", "rollout.prompts_per_step=8", "rollout.group_size=2", "ppo.mini_batch_size=16", "train.warm_start_steps=0"]
+              "task.num_train=8", "rollout.prompts_per_step=8", "rollout.group_size=2",
+              "ppo.mini_batch_size=16", "train.warm_start_steps=0"]
     [stay], [move] = [[m for m in train(tmp_path / name, *uneven, f"train.balance_ranks={on}")[1] if m["step"] == 1]
                       for name, on in [("stay", "false"), ("move", "true")]]
     assert stay["rank_imbalance"] > 1.2 and move["rank_imbalance"] < 1.1, (stay["rank_imbalance"], move["rank_imbalance"])

@@ -4,8 +4,8 @@ trajectory is left out of the update, and the run trains nothing (data.task=test
 """
 
 from nanoagent.tasks import arithmetic
-from nanoagent.tasks.arithmetic import (QUESTION, SYSTEM_PROMPT, Knobs, demonstration, prepare, prompts,  # noqa: F401
-                                        tools)
+from nanoagent.tasks.arithmetic import (  # noqa: F401 (the task interface, arithmetic's)
+    QUESTION, SYSTEM_PROMPT, Knobs, demonstration, prepare, prompts, tools)
 
 
 def score(traj, cfg):

@@ -14,11 +14,14 @@ and demonstrations for a warm start by imitation; everything else here is task-a
 One step, top to bottom:
   1. rollout: every rank rolls out its share of the prompts (G times each), multi-turn in the
      task's environment (tool calls, a game); a turn sees the whole trajectory (one growing token
-     row), or with rollout.context=last_k the question and the last K turns, each turn a row;
-  2. rewards: the task scores each trajectory; the outcome reward sits on the last action token,
-     process rewards (a step's) on the last action token of their turn, (kl_mode=reward) -kl_coef * k1;
-     groups without signal (grpo: all outcomes equal, no process reward), trajectories whose
-     environment failed and, optionally, those cut by a budget are left out of the update (DAPO;
+     row), or with rollout.context=last_k the question and the last K turns, each turn a row; it
+     ends when the share of groups has (nanoagent/partial.py: with rollout.max_staleness the groups
+     still running pause and go on in the next step; with grpo.refill a group with nothing to train
+     on is replaced by another);
+  2. rewards: the task scores each trajectory as its group ends; the outcome reward sits on the last
+     action token, process rewards (a step's) on the last action token of their turn, (kl_mode=reward)
+     -kl_coef * k1; groups without signal (grpo: all outcomes equal, no process reward), trajectories
+     whose environment failed and, optionally, those cut by a budget are left out of the update (DAPO;
      nanoagent/batch.py); with several ranks, whole groups move between them so that each trains
      on about as many tokens;
   3. the engine sleeps; the trainer recomputes old logprobs (unless the update is exactly
@@ -27,9 +30,10 @@ One step, top to bottom:
      outcome against a baseline plus the process rewards still to come, unnormalised (grpo, rloo,
      reinforce); or REINFORCE++'s returns, whitened over the batch;
   5. PPO epochs over mini-batches (nanoagent/update.py): clipped policy loss, a ratio per token or (GSPO) per
-     sequence or step (+ k3 KL loss, entropy bonus, truncated importance weights) and clipped
-     value loss, each a global mean across micro-batches and ranks (of tokens, trajectories or
-     turns); a non-finite loss or gradient skips the update;
+     sequence or step (+ k3 KL loss, entropy bonus, truncated importance weights: with partial rollouts,
+     decoupled PPO's weights of the tokens an older policy sampled) and clipped value loss, each a
+     global mean across micro-batches and ranks (of tokens, trajectories or turns); a non-finite loss
+     or gradient skips the update;
   6. the new weights go into the engine; one line of metrics.
 """
 
@@ -45,20 +49,21 @@ import torch
 from transformers import AutoTokenizer
 
 from nanoagent import rl
-from nanoagent.agent import run_agent
+from nanoagent.agent import Rollouts
 from nanoagent.batch import balance_groups, group_tokens, step_batch
 from nanoagent.checkpoint import (check_resume, export_hf, load_latest, resume_checkpoint, save_checkpoint,
                                   start_fresh)
 from nanoagent.common import (MetricsLog, all_reduce, exit_now, init_distributed, print0, seed_everything,
                               stop_on_signals)
 from nanoagent.config import ConfigError, format_config, make_config, reference, save_config, to_dict
-from nanoagent.data import step_prompts
+from nanoagent.data import spare_prompts, step_prompts
 from nanoagent.engine import SamplingConfig, make_engine, pad_token_id
 from nanoagent.hub import resolve_model
 from nanoagent.imitation import imitate
 from nanoagent.metrics import evaluate, idle_stop, step_line, step_metrics
 from nanoagent.model import (build_models, critic_forward, forward_all, full_tensors, old_policy_forward,
                              policy_forward)
+from nanoagent.partial import rollout_step
 from nanoagent.presets import PRESETS
 from nanoagent.tasks import load_task, task_data
 from nanoagent.update import get_lr, ppo_epochs, set_hyperparameters
@@ -85,14 +90,12 @@ def parse_args(argv):
 # -----------------------------------------------------------------------------
 # the rewards and the logprobs
 
-def score_and_batch(task, trajs, pad_id, cfg, world):
+def balanced_step_data(trajs, pad_id, cfg, world):
     """
-    The task scores each trajectory; the StepData's rows carry the rewards on the action tokens that train.
+    The StepData of the scored trajectories: rows that carry the rewards on the action tokens that train.
     With several ranks, whole groups then move between them so that each trains on about as many tokens,
     and this rank's StepData is made again from the trajectories it holds after the move.
     """
-    for t in trajs:
-        task.score(t, cfg)
     data = step_batch(trajs, pad_id, cfg)
     if cfg.train.balance_ranks and world > 1:
         costs = group_tokens(data.batch, data.kept, data.scores["group"])
@@ -244,7 +247,8 @@ def main(argv=None):
     policy, critic, r = models["policy"], models.get("critic"), cfg.rollout
     engine = make_engine(r.engine, model_path, tokenizer, r.max_context_tokens, r.dtype,
                          r.gpu_memory_utilization, r.tensor_parallel_size, cfg.seed + rank, r.compile)
-    sampling = SamplingConfig(r.max_new_tokens, r.temperature, r.top_p)
+    rollouts = Rollouts(engine, env, SamplingConfig(r.max_new_tokens, r.temperature, r.top_p), r.max_turns,
+                        r.max_context_tokens)
     # everything is built: only now is the run folder touched (a start that failed leaves it as it was)
     if cfg.resume == "never" and (aside := start_fresh(cfg.run_dir)):
         print0(f"resume=never: the run in {cfg.run_dir} was moved aside to {aside}")
@@ -265,6 +269,10 @@ def main(argv=None):
     # a SIGTERM or a Ctrl-C is acted on at the next safe point, after the rollout or the update, on every rank
     stop = stop_on_signals()
     saved_step, idle = start_step if checkpoint else None, 0  # idle: steps in a row that trained nothing
+    carried = []  # the groups a partial rollout paused, to go on in the next step (a resume starts without)
+    pad_id = pad_token_id(tokenizer)
+    score = lambda t: task.score(t, cfg)  # noqa: E731
+    trains = lambda group: bool(step_batch(group, pad_id, cfg).kept)  # noqa: E731
 
     def save(step):
         position = {"data_position": step * r.prompts_per_step}
@@ -277,27 +285,34 @@ def main(argv=None):
     for step in range(start_step, cfg.steps):
         t0 = time.perf_counter()
         set_hyperparameters(optimizers, step, cfg)
-        # 1. rollout: G samples of each of this rank's prompts, multi-turn in the task's environment
-        per_rank = r.prompts_per_step // world
-        prompts = step_prompts(train_rows, step, per_rank, rank, world, cfg.seed, cfg.data.shuffle)
+        # 1. rollout: G samples of each of this rank's prompts, multi-turn in the task's environment, until
+        # enough groups have ended (all of them, unless partial rollouts or dynamic sampling: partial.py);
+        # the task scores each trajectory as its group ends
+        prompts = step_prompts(train_rows, step, r.prompts_per_step // world, rank, world, cfg.seed,
+                               cfg.data.shuffle)
         engine.wake()
-        samples = [p for p in prompts for _ in range(r.group_size)]
-        trajs = run_agent(engine, env, samples, sampling, r.max_turns, r.max_context_tokens,
-                          seed=cfg.seed * 100_003 + step * world + rank)
+        spares = spare_prompts(train_rows, step, rank, cfg.seed)
+        seed = cfg.seed * 100_003 + step * world + rank  # this rank's sampling seed of the step
+        groups, carried, counts = rollout_step(rollouts, carried, prompts, spares, step, seed, score, trains,
+                                               cfg, world)
+        trajs = [t for g in groups for t in g]
         engine.sleep()
         # a SIGTERM or Ctrl-C: the rollout is dropped, and the state this step started from is saved
         if (signum := signal_received(stop)):
             return checkpoint_and_stop(signum, f"step {step + 1}'s rollout", step, saved_step, save)
-        # 2. rewards: the task scores each trajectory; rewards sit on the action tokens that train
-        data = score_and_batch(task, trajs, pad_token_id(tokenizer), cfg, world)
+        # 2. rewards: on the action tokens that train
+        data = balanced_step_data(trajs, pad_id, cfg, world)
         batch, mask, rewards = data.batch, data.batch["action_mask"], data.rewards
         t1 = time.perf_counter()
         # 3. logprobs before the update, unless it is exactly on-policy (one epoch of one mini-batch, no KL in
-        # the reward: then its own forward gives them), and the reference's
+        # the reward, no token sampled by an older policy: then its own forward gives them); the reference's
+        stale = (step - batch["version"])[mask > 0].max().item() if mask.any() else 0
         [trained] = all_reduce([len({batch["trajectory"][row].item() for row in data.kept})])  # all ranks
+        [stalest] = all_reduce([stale], "max")
         n_mini = math.ceil(trained / cfg.ppo.mini_batch_size)
         policy_moves = cfg.algo != "ppo" or step >= cfg.ppo.critic_warmup_steps
-        on_policy = cfg.ppo.epochs == 1 and n_mini <= 1 and cfg.train.kl_mode != "reward" and policy_moves
+        on_policy = (cfg.ppo.epochs == 1 and n_mini <= 1 and cfg.train.kl_mode != "reward" and policy_moves
+                     and stalest == 0)
         old, nucleus, ref_logprobs = logprobs_before_update(policy, ref, data, on_policy, cfg, device)
         batch["old_logprobs"], batch["nucleus_logprobs"], batch["ref_logprobs"] = old, nucleus, ref_logprobs
         if cfg.train.kl_mode == "reward":  # ppo, reinforce_plus_plus(_baseline): k1 on every action token
@@ -325,7 +340,7 @@ def main(argv=None):
         t4 = time.perf_counter()
         stopping = signal_received(stop)
         metrics = step_metrics(step, data.trajs, data.dropped, batch, policy_updates, critic_updates, kl,
-                               [t0, t1, t2, t3, t4])
+                               counts, [t0, t1, t2, t3, t4])
         metrics["lr"] = get_lr(step, cfg.train.lr, cfg.train.warmup_steps)
         metrics["trained"] = trained / (r.prompts_per_step * r.group_size)  # a fraction
         if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.steps) and not stopping:

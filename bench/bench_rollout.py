@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import scripted  # noqa: E402
-from nanoagent.agent import observe, run_agent, start_trajectories, take_turn, turn_seed  # noqa: E402
+from nanoagent.agent import Rollouts, observe, start_trajectories, take_turn, turn_seed  # noqa: E402
 from bench.timing import median_time  # noqa: E402
 from nanoagent.engine import SamplingConfig, VLLMEngine, stop_token_ids  # noqa: E402
 from nanoagent.env import tool_env  # noqa: E402
@@ -107,11 +107,20 @@ def raw_generation(engine, trajs):
     engine.llm.generate([TokensPrompt(prompt_token_ids=t.prompt_ids) for t in trajs], params, use_tqdm=False)
 
 
+def per_trajectory(engine, env, samples, sampling, max_turns, max_context_tokens, seed=None, timing=None):
+    """nanoagent's loop (agent.Rollouts: what run_agent runs), with its time waiting on environments."""
+    rollouts = Rollouts(engine, env, sampling, max_turns, max_context_tokens)
+    trajs = rollouts.start(samples, seed)
+    rollouts.run()
+    timing.update(engine_s=rollouts.engine_s, idle_s=rollouts.idle_s)
+    return trajs
+
+
 def bench_loops(engine, env, tools, copies):
     samples = [{"id": q, "messages": scripted.user(q)}
                for q in scripted.SCRIPTS if q != "Wait a long time."] * copies
     sampling = SamplingConfig(max_new_tokens=64, temperature=1.0)
-    loops = {"old": batch_per_turn, "new": run_agent}
+    loops = {"old": batch_per_turn, "new": per_trajectory}
     print(f"agent loop: {len(samples)} trajectories, max {MAX_TURNS} turns, seeded sampling at temperature 1")
     print(f"{'tools':>9} | {'raw gen':>7} | {'old loop':>8} {'x raw':>6} {'idle':>5} | "
           f"{'new loop':>8} {'x raw':>6} {'idle':>5} | new vs old")

@@ -54,6 +54,8 @@ class Trajectory:
                                                            # last_k: act_1 ... act_n
     action_mask: list = field(default_factory=list)        # 1: sampled by the policy; 0: the environment's
     rollout_logprobs: list = field(default_factory=list)   # engine logprob of each token (0 where mask 0)
+    versions: list = field(default_factory=list)           # the policy version (training step) that sampled
+                                                           # each token (0 where mask 0)
     turn_spans: list = field(default_factory=list)         # [start, end) of each action in response_ids
     step_rewards: list = field(default_factory=list)       # the environment's reward for each turn
     step_prompts: list = field(default_factory=list)       # last_k: the prompt ids each turn was sampled from
@@ -64,6 +66,11 @@ class Trajectory:
     error: str | None = None                               # env_error: what went wrong
     reward: float = 0.0
     scores: dict = field(default_factory=dict)
+    seed: int | None = None                                # its turns' seeds: turn_seed(seed, index, ...)
+    index: int = 0                                         # its place in the batch it was started with
+    start: int = 0                                         # which Rollouts.start call started it
+    partial: tuple = ((), (), ())                          # a turn paused mid-way: (ids, logprobs, versions)
+    pieces: int = 0                                        # how many times its current turn was paused
 
     def __len__(self):
         return len(self.prompt_ids) + len(self.response_ids)
@@ -74,23 +81,31 @@ class Trajectory:
 
     def sequences(self):
         """
-        The token rows the trainer scores, as (ids, action_mask, rollout_logprobs, spans), spans the
-        [start, end) of each action in its row. With the full context one row, prompt | response;
-        with context=last_k one row per turn: the prompt that turn was sampled from, then its action.
+        The token rows the trainer scores, as (ids, action_mask, rollout_logprobs, spans, versions),
+        spans the [start, end) of each action in its row. With the full context one row, prompt |
+        response; with context=last_k one row per turn: the prompt that turn was sampled from, then its
+        action.
         """
         if not self.step_prompts:
             P = len(self.prompt_ids)
             return [(self.prompt_ids + self.response_ids, [0] * P + self.action_mask,
-                     [0.0] * P + self.rollout_logprobs, [(P + s, P + e) for s, e in self.turn_spans])]
+                     [0.0] * P + self.rollout_logprobs, [(P + s, P + e) for s, e in self.turn_spans],
+                     [0] * P + self.versions)]
         return [(prompt + self.response_ids[s:e], [0] * len(prompt) + self.action_mask[s:e],
                  [0.0] * len(prompt) + self.rollout_logprobs[s:e],
-                 [(len(prompt), len(prompt) + e - s)])
+                 [(len(prompt), len(prompt) + e - s)], [0] * len(prompt) + self.versions[s:e])
                 for prompt, (s, e) in zip(self.step_prompts, self.turn_spans)]
 
-    def append(self, ids, mask, logprobs=None):
+    def oldest_version(self):
+        """The policy version of its first sampled token (the oldest), None before it sampled any."""
+        first = self.versions[self.turn_spans[0][0]] if self.turn_spans else None
+        return first if first is not None else (self.partial[2] or [None])[0]
+
+    def append(self, ids, mask, logprobs=None, versions=None):
         self.response_ids += ids
         self.action_mask += [mask] * len(ids)
         self.rollout_logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        self.versions += versions if versions is not None else [0] * len(ids)
 
     def to_json(self, tokenizer):
         return {
@@ -102,7 +117,7 @@ class Trajectory:
                             "error": c.error, "seconds": round(c.seconds, 4)} for c in self.tool_calls],
             "messages": self.messages, "prompt_ids": self.prompt_ids, "response_ids": self.response_ids,
             "action_mask": self.action_mask, "rollout_logprobs": self.rollout_logprobs,
-            "turn_spans": self.turn_spans,
+            "versions": self.versions, "turn_spans": self.turn_spans,
             "response_text": tokenizer.decode(self.response_ids, skip_special_tokens=False),
             **({"step_prompt_ids": self.step_prompts} if self.step_prompts else {}),
         }
@@ -133,16 +148,17 @@ def start_trajectories(env, samples, max_context_tokens):
     return trajs
 
 
-def turn_seed(seed, i, turn):
-    """The sampling seed of trajectory i's turn (None: unseeded): its own, whatever else runs."""
-    return None if seed is None else (seed * 1_000_003 + i * 1009 + turn) % 2**31
+def turn_seed(seed, i, turn, piece=0):
+    """The sampling seed of trajectory i's turn (None: unseeded): its own, whatever else runs; piece: the
+    part of a turn after its piece-th pause (a partial rollout)."""
+    return None if seed is None else (seed * 1_000_003 + i * 1009 + turn + piece * 7919) % 2**31
 
 
-def take_turn(t, ids, logprobs, tokenizer):
+def take_turn(t, ids, logprobs, tokenizer, versions=None):
     """Append an action's ids to the trajectory. Returns its text (decoded, EOS excluded: what the
     environment steps on) and whether it ended with EOS."""
     start = len(t.response_ids)
-    t.append(ids, 1, logprobs)
+    t.append(ids, 1, logprobs, versions)
     t.turn_spans.append((start, len(t.response_ids)))
     ended_with_eos = bool(ids) and ids[-1] == tokenizer.eos_token_id
     return tokenizer.decode(ids[:-1] if ended_with_eos else ids, skip_special_tokens=False), ended_with_eos
@@ -192,55 +208,114 @@ def observe(t, env, step, content, ended_with_eos, last_turn, cut, max_context_t
     return True
 
 
-def run_agent(engine, env, samples, sampling, max_turns, max_context_tokens, seed=None, timing=None):
+class Rollouts:
     """
-    Roll out one trajectory per sample (repeat samples for groups); each is scheduled on its own
-    (module docstring). env: a ChatEnv, which makes each trajectory's environment, runs its steps and
-    owns the tokenizer and the chat template. seed: when given, trajectory i samples turn k with a
-    seed derived from (seed, i, k). timing: a dict that gets "engine_s" (time in engine steps) and
-    "idle_s" (time with nothing to generate, waiting for environments). Returns the trajectories in
-    the order of samples.
+    The trajectories a rank has in flight, each scheduled on its own (module docstring). run_agent rolls a
+    batch out to its end. A training step runs it until enough groups have ended (nanoagent/partial.py),
+    then pause() aborts the turns still in the engine and keeps what each sampled; the next run submits
+    them again, under the weights of then, from where they stopped: a turn's row is what each version
+    sampled, in order, and every token records the version (training step) that sampled it. Environment
+    steps in flight go on meanwhile; their time limit counts only the time the pool runs.
     """
-    trajs = start_trajectories(env, samples, max_context_tokens)
-    # request id -> (i, turn, budget);  step future -> (i, turn, content, eos, cut, started)
-    generating, stepping = {}, {}
-    engine_s = idle_s = 0.0
 
-    def submit(i, turn):
-        prompt = trajs[i].next_prompt_ids()
-        budget = min(sampling.max_new_tokens, max_context_tokens - len(prompt))
-        engine.submit(f"{i}-{turn}", prompt, sampling, budget, turn_seed(seed, i, turn))
-        generating[f"{i}-{turn}"] = (i, turn, budget)
+    def __init__(self, engine, env, sampling, max_turns, max_context_tokens):
+        self.engine, self.env, self.sampling = engine, env, sampling
+        self.max_turns, self.max_context_tokens = max_turns, max_context_tokens
+        self.version = 0      # the policy version generating: the training step
+        self.starts = 0       # start() calls so far: a request id names its trajectory's
+        self.generating = {}  # request id -> (trajectory, turn, budget, the turn's budget of new tokens)
+        self.stepping = {}    # step future -> (trajectory, turn, content, ended with EOS, cut, started)
+        self.paused = []      # (trajectory, turn): turns aborted by pause(), to submit again
+        self.paused_at = None
+        self.engine_s = self.idle_s = 0.0  # time in engine steps; with nothing to generate, waiting on steps
 
-    for i in range(len(trajs)):
-        submit(i, 0)
-    while generating or stepping:
-        start = time.perf_counter()
-        # an engine that batches per call (HFEngine) waits for every step: a turn's requests go together
-        if generating and (engine.continuous_batching or not stepping):
-            for request_id, gen in engine.step():
-                i, turn, budget = generating.pop(request_id)
-                content, ended_with_eos = take_turn(trajs[i], gen.token_ids, gen.logprobs, env.tokenizer)
-                cut = (None if gen.finish_reason != "length"
-                       else "context_budget" if budget < sampling.max_new_tokens else "truncated")
-                stepping[env.start(trajs[i].env, content)] = (i, turn, content, ended_with_eos, cut,
-                                                              time.perf_counter())
-            engine_s += time.perf_counter() - start
-        else:  # nothing to generate until a step is back
-            first_deadline = min(started for *_, started in stepping.values()) + env.step_timeout_s
-            wait(stepping, timeout=max(0.0, first_deadline - time.perf_counter()),
-                 return_when=FIRST_COMPLETED)
-            idle_s += time.perf_counter() - start
-        for future, (*_, started) in stepping.items():
-            if time.perf_counter() - started > env.step_timeout_s:
-                env.expire(future)
-        for future in [f for f in stepping if f.done()]:
-            i, turn, content, ended_with_eos, cut, _ = stepping.pop(future)
-            if observe(trajs[i], env, future, content, ended_with_eos, turn == max_turns - 1, cut,
-                       max_context_tokens):
-                submit(i, turn + 1)
-    if timing is not None:
-        timing.update(engine_s=engine_s, idle_s=idle_s)
+    def start(self, samples, seed=None):
+        """Start one trajectory per sample (repeat samples for groups); returns them. With a seed,
+        trajectory i samples turn k with a seed derived from (seed, i, k)."""
+        trajs = start_trajectories(self.env, samples, self.max_context_tokens)
+        for i, t in enumerate(trajs):
+            t.seed, t.index, t.start = seed, i, self.starts
+            self.submit(t, 0)
+        self.starts += 1
+        return trajs
+
+    def submit(self, t, turn):
+        """Queue a trajectory's turn in the engine, from where a pause left it."""
+        done_ids = t.partial[0]
+        prompt = t.next_prompt_ids() + list(done_ids)
+        tokens = self.sampling.max_new_tokens - len(done_ids)
+        budget = min(tokens, self.max_context_tokens - len(prompt))
+        request_id = f"{t.start}.{t.index}-{turn}" + (f".{t.pieces}" if t.pieces else "")
+        seed = turn_seed(t.seed, t.index, turn, t.pieces)
+        self.engine.submit(request_id, prompt, self.sampling, budget, seed)
+        self.generating[request_id] = (t, turn, budget, tokens)
+
+    def run(self, enough=lambda: False):
+        """Generate and step until every trajectory in flight has ended, or until enough() (asked after
+        each engine step and each batch of observations) says so."""
+        if self.paused_at is not None:  # the steps that ran while the pool was paused: their clock restarts
+            self.stepping = {f: (*s[:-1], s[-1] + time.perf_counter() - self.paused_at)
+                             for f, s in self.stepping.items()}
+            self.paused_at = None
+        for t, turn in self.paused:
+            self.submit(t, turn)
+        self.paused = []
+        env = self.env
+        while self.generating or self.stepping:
+            start = time.perf_counter()
+            # an engine that batches per call (HFEngine) waits for every step: a turn's requests go together
+            if self.generating and (self.engine.continuous_batching or not self.stepping):
+                for request_id, gen in self.engine.step():
+                    t, turn, budget, tokens = self.generating.pop(request_id)
+                    ids, logprobs, versions = t.partial
+                    t.partial, t.pieces = ((), (), ()), 0
+                    content, ended_with_eos = take_turn(
+                        t, list(ids) + gen.token_ids, list(logprobs) + gen.logprobs, env.tokenizer,
+                        list(versions) + [self.version] * len(gen.token_ids))
+                    cut = (None if gen.finish_reason != "length"
+                           else "context_budget" if budget < tokens else "truncated")
+                    self.stepping[env.start(t.env, content)] = (t, turn, content, ended_with_eos, cut,
+                                                                time.perf_counter())
+                self.engine_s += time.perf_counter() - start
+            else:  # nothing to generate until a step is back
+                first_deadline = min(started for *_, started in self.stepping.values()) + env.step_timeout_s
+                wait(self.stepping, timeout=max(0.0, first_deadline - time.perf_counter()),
+                     return_when=FIRST_COMPLETED)
+                self.idle_s += time.perf_counter() - start
+            for future, (*_, started) in self.stepping.items():
+                if time.perf_counter() - started > env.step_timeout_s:
+                    env.expire(future)
+            for future in [f for f in self.stepping if f.done()]:
+                t, turn, content, ended_with_eos, cut, _ = self.stepping.pop(future)
+                if observe(t, env, future, content, ended_with_eos, turn == self.max_turns - 1, cut,
+                           self.max_context_tokens):
+                    self.submit(t, turn + 1)
+            if enough():
+                break
+
+    def pause(self):
+        """Abort the turns in the engine, keeping what each sampled (Trajectory.partial), to go on from
+        at the next run()."""
+        for request_id, gen in self.engine.abort(list(self.generating)).items():
+            t, turn, _, _ = self.generating.pop(request_id)
+            ids, logprobs, versions = t.partial
+            t.partial = (ids + tuple(gen.token_ids), logprobs + tuple(gen.logprobs),
+                         versions + (self.version,) * len(gen.token_ids))
+            t.pieces += 1
+            self.paused.append((t, turn))
+        self.paused_at = time.perf_counter()
+
+
+def run_agent(engine, env, samples, sampling, max_turns, max_context_tokens, seed=None):
+    """
+    Roll out one trajectory per sample (repeat samples for groups) to its end, each scheduled on its
+    own (Rollouts). env: a ChatEnv, which makes each trajectory's environment, runs its steps and owns
+    the tokenizer and the chat template. seed: when given, trajectory i samples turn k with a seed
+    derived from (seed, i, k). Returns the trajectories in the order of samples.
+    """
+    rollouts = Rollouts(engine, env, sampling, max_turns, max_context_tokens)
+    trajs = rollouts.start(samples, seed)
+    rollouts.run()
     return trajs
 
 

@@ -14,6 +14,7 @@ rollout.context=last_k) of L tokens (the longest row; right-padded), B trajector
     row               [R, L] long   collate     each token's row
     action_mask       [R, L] float  collate     1 on sampled tokens (step_batch: 0 on rows left out)
     rollout_logprobs  [R, L] float  collate     the engine's logprob of each action token
+    version           [R, L] long   collate     the step whose policy sampled each action token
     lengths           R ints        collate     each row's tokens
     trajectory        [R] long      collate     the trajectory (0..B-1) each row belongs to
     steps             B lists       collate     each trajectory's actions in turn order: (row, start, end)
@@ -64,9 +65,9 @@ def pad_rows(rows, pad_value, dtype=torch.long):
 def collate(trajs, pad_id):
     """
     Trajectories -> a batch of their token rows (Trajectory.sequences: one row `prompt | response`
-    each, or one per turn with context=last_k) right-padded to [R, L] on the host. action_mask and
-    rollout_logprobs are laid over the whole row (0 on the prompt and padding), so every per-token
-    tensor shares one index. "position_ids", "prompt", "prompt_length": see shared_prompts; "row":
+    each, or one per turn with context=last_k) right-padded to [R, L] on the host. action_mask,
+    rollout_logprobs and version are laid over the whole row (0 on the prompt and padding), so every
+    per-token tensor shares one index. "position_ids", "prompt", "prompt_length": see shared_prompts; "row":
     [R, L] each token's row; "trajectory": [R] the trajectory each row belongs to; "steps": for each
     trajectory its turns' actions in order, as (row, start, end); "step": [R, L] on the tokens of
     each action an id of its step, unique in the batch (1, 2, ...; 0 elsewhere).
@@ -74,21 +75,22 @@ def collate(trajs, pad_id):
     sequences, owner, steps = [], [], []
     for i, t in enumerate(trajs):
         steps.append([])
-        for ids, mask, logprobs, spans in t.sequences():
+        for ids, mask, logprobs, spans, versions in t.sequences():
             steps[-1] += [(len(sequences), s, e) for s, e in spans]
-            sequences.append((ids, mask, logprobs))
+            sequences.append((ids, mask, logprobs, versions))
             owner.append(i)
-    input_ids = pad_rows([ids for ids, _, _ in sequences], pad_id)
+    input_ids = pad_rows([ids for ids, *_ in sequences], pad_id)
     step = torch.zeros_like(input_ids)
     for n, (row, start, end) in enumerate(span for trajectory in steps for span in trajectory):
         step[row, start:end] = n + 1
     return {
         "input_ids": input_ids,
-        **shared_prompts([ids for ids, _, _ in sequences], [mask for _, mask, _ in sequences]),
+        **shared_prompts([ids for ids, *_ in sequences], [mask for _, mask, *_ in sequences]),
         "row": torch.arange(len(sequences))[:, None].expand_as(input_ids),
-        "action_mask": pad_rows([mask for _, mask, _ in sequences], 0, torch.float32),
-        "rollout_logprobs": pad_rows([logprobs for _, _, logprobs in sequences], 0.0, torch.float32),
-        "lengths": [len(ids) for ids, _, _ in sequences],
+        "action_mask": pad_rows([mask for _, mask, *_ in sequences], 0, torch.float32),
+        "rollout_logprobs": pad_rows([logprobs for _, _, logprobs, _ in sequences], 0.0, torch.float32),
+        "version": pad_rows([versions for *_, versions in sequences], 0),
+        "lengths": [len(ids) for ids, *_ in sequences],
         "trajectory": torch.tensor(owner),
         "steps": steps,
         "step": step,

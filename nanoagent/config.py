@@ -171,6 +171,14 @@ def validate(cfg):
          "a token mean weighs each by its length. Use train.loss_agg="
          f"{'step_mean_token_mean' if cfg.ppo.ratio == 'step' else 'seq_mean_token_mean'} "
          "(verl's fix for GSPO)")
+    need(r.max_staleness == 0 or r.extra_prompts > 0,
+         f"rollout.max_staleness={r.max_staleness} needs rollout.extra_prompts > 0: a step ends once "
+         "rollout.prompts_per_step groups have ended, so without groups beyond them nothing is ever carried "
+         "over")
+    need(r.max_staleness == 0 or cfg.train.tis,
+         f"rollout.max_staleness={r.max_staleness} needs train.tis=true: tokens sampled by an older policy "
+         "are weighed by min(pi_old / pi_behaviour, train.tis_cap) (decoupled PPO, README: Partial "
+         "rollouts); without it their loss would treat them as the current policy's samples")
     need((r.prompts_per_step * r.group_size) % cfg.ppo.mini_batch_size == 0,
          f"rollout.prompts_per_step x rollout.group_size ({r.prompts_per_step * r.group_size}) "
          f"must be a multiple of ppo.mini_batch_size ({cfg.ppo.mini_batch_size})")

@@ -162,3 +162,12 @@ def step_prompts(rows, step, per_rank, rank, world, seed, shuffle):
     orders = {e: np.random.default_rng([seed, e]).permutation(len(rows)) if shuffle else np.arange(len(rows))
               for e in set(epochs.tolist())}
     return [rows[orders[e][i]] for e, i in zip(epochs.tolist(), indices.tolist())]
+
+
+def spare_prompts(rows, step, rank, seed):
+    """Prompts beyond a step's share (partial rollouts, dynamic sampling: nanoagent/partial.py), drawn at
+    random from their own seeded stream per (step, rank), so the data order of step_prompts is the same
+    with them or without, and a resumed step draws the same ones."""
+    rng = np.random.default_rng([seed, step, rank, 1])
+    while True:
+        yield rows[rng.integers(len(rows))]

@@ -3,7 +3,8 @@ The rollout engine: token ids in, sampled token ids + their logprobs + a finish 
 
 Two implementations of one interface: submit(request_id, prompt_ids, sampling, max_new_tokens,
 seed) queues a generation, step() advances the engine and returns the generations that finished,
-generate() does a whole batch at once; load_weights, sleep, wake.
+abort(request_ids) stops generations and returns what they sampled so far (a partial rollout
+pauses them), generate() does a whole batch at once; load_weights, sleep, wake.
 - VLLMEngine: vLLM in the trainer's own process, one per rank (`external_launcher` under torchrun),
   so the trainer hands it new weights as tensors after every update, without writing a checkpoint
   or crossing a process boundary. On a GPU, sleep()/wake() lend its memory (weights and KV cache)
@@ -42,7 +43,8 @@ class Generation:
     token_ids: list      # sampled ids, in order, including the stop token when one was hit
     logprobs: list       # logprob of each sampled id under the sampling distribution
                          # (top_p < 1: renormalised over the nucleus)
-    finish_reason: str   # "stop": hit EOS or a stop token; "length": hit the token budget
+    finish_reason: str   # "stop": hit EOS or a stop token; "length": hit the token budget;
+                         # "abort": stopped by abort(), unfinished
 
 
 @dataclass
@@ -165,6 +167,7 @@ class VLLMEngine:
         )
         self.stop_ids, self.stop_strings = list(stop_ids), list(stop_strings)
         self.asleep = False
+        self.sampled = {}  # request id -> (ids, logprobs) sampled so far (vLLM reports each step's)
         PARAMETERLESS_LAYERS.update(*self.llm.apply_model(parameterless_layers))
         # once: the same function is not added twice
         logging.getLogger(RELOAD_LOGGER).addFilter(keep_reload_warning)
@@ -186,21 +189,30 @@ class VLLMEngine:
             top_p=1.0 if sampling.greedy else sampling.top_p, stop_token_ids=self.stop_ids, ignore_eos=True,
             seed=seed, stop=self.stop_strings, include_stop_str_in_output=True,
             detokenize=bool(self.stop_strings), logprobs=0, skip_special_tokens=False,
-            output_kind=RequestOutputKind.FINAL_ONLY)
+            output_kind=RequestOutputKind.DELTA)  # each step's new tokens: abort() keeps what was sampled
         self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), params)
+        self.sampled[request_id] = ([], [])
 
     def step(self):
         """One engine step (a decode iteration over every running request, prefills of new ones);
         returns [(request_id, Generation)] of the requests that finished in it."""
         done = []
         for out in self.llm.llm_engine.step():
+            sample = out.outputs[0]
+            ids, logprobs = self.sampled[out.request_id]
+            ids += sample.token_ids
+            logprobs += [lp[i].logprob for lp, i in zip(sample.logprobs, sample.token_ids)]
             if out.finished:
-                sample = out.outputs[0]
-                ids = list(sample.token_ids)
-                done.append((out.request_id,
-                             Generation(ids, [lp[i].logprob for lp, i in zip(sample.logprobs, ids)],
-                                        "length" if sample.finish_reason == "length" else "stop")))
+                del self.sampled[out.request_id]
+                done.append((out.request_id, Generation(
+                    ids, logprobs, "length" if sample.finish_reason == "length" else "stop")))
         return done
+
+    def abort(self, request_ids):
+        """Stop these generations; returns {request_id: Generation} of what each had sampled (finish
+        reason "abort")."""
+        self.llm.llm_engine.abort_request(list(request_ids))
+        return {r: Generation(*self.sampled.pop(r), "abort") for r in request_ids}
 
     def generate(self, prompts, sampling, max_new_tokens=None, seeds=None):
         """A batch at once: prompts, token-id lists; max_new_tokens and seeds, optional per-prompt
@@ -254,6 +266,12 @@ class HFEngine:
     def submit(self, request_id, prompt_ids, sampling, max_new_tokens, seed=None):
         """Queue one generation; the next step() generates everything queued as one batch."""
         self.queued.append((request_id, prompt_ids, sampling, max_new_tokens, seed))
+
+    def abort(self, request_ids):
+        """Drop these queued generations (step() runs a batch to its end: nothing is ever half-sampled);
+        returns {request_id: an empty Generation}."""
+        self.queued = [q for q in self.queued if q[0] not in request_ids]
+        return {r: Generation([], [], "abort") for r in request_ids}
 
     def step(self):
         """Generate every queued request together (they share the first one's sampling settings

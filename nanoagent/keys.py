@@ -81,6 +81,15 @@ class RolloutConfig:
     tensor_parallel_size: int = opt(
         1, "vLLM tensor parallelism for rollout.py and chat.py (one process, several GPUs); train.py takes "
         "1 only", low=1, fixed=True)
+    max_staleness: int = opt(
+        0, "partial rollouts: a step's rollout ends once rollout.prompts_per_step groups have ended; the "
+        "others pause and go on in the next step under the new weights, no token trained more than this many "
+        "steps after its policy sampled it (a group that would be waits for its end); 0: every step waits "
+        "for its last trajectory. Needs rollout.extra_prompts and train.tis (README: Partial rollouts)", low=0)
+    extra_prompts: int = opt(
+        0, "max_staleness > 0: groups in flight beyond rollout.prompts_per_step (over all ranks), drawn from "
+        "spare prompts (seeded, apart from the data order); those still running when enough have ended "
+        "carry over", low=0)
     context: Literal["full", "last_k"] = opt(
         "full", "what a turn sees: full: the whole trajectory, one growing token row; last_k: the system "
         "prompt, the question and the last rollout.keep_turns turns, rendered afresh each turn, each turn "
@@ -126,6 +135,12 @@ class GRPOConfig:
     drop_uniform_groups: bool = opt(
         True, "algo=grpo or rloo: leave groups whose rewards are all equal out of the update (DAPO's "
         "dynamic sampling): they carry no signal, only dilute the loss; logged as dropped_uniform")
+    refill: bool = opt(
+        False, "DAPO's dynamic sampling: a group that ends with nothing to train on (uniform rewards, or all "
+        "left out) is replaced within the step by a group of a spare prompt, until rollout.prompts_per_step "
+        "groups train or grpo.max_refill is spent; logged as sampled_per_kept")
+    max_refill: float = opt(
+        1.0, "grpo.refill: spare prompts a step may add, as a multiple of rollout.prompts_per_step", low=0)
 
 
 @dataclass

@@ -21,38 +21,44 @@ def mean_over_updates(results):
     return mean([r[0] for r in results]), mean([r[1] for r in results])
 
 
-def step_metrics(step, trajs, dropped, batch, policy_updates, critic_updates, kl, times):
+def step_metrics(step, trajs, dropped, batch, policy_updates, critic_updates, kl, counts, times):
     """
     The step's metrics, reduced over ranks once: this rank's shares are summed, the values every
     rank agrees on (grad norms, skips) and the engine/trainer logprob gap are maxed. dropped:
     {reason: trajectories left out of the update}, logged as fractions of all trajectories.
     batch: the step's rows, with nucleus_logprobs over the trained tokens; kl: [R, L] k1 or None;
-    times: perf_counter at the start of the step and after rollout, forward, update and push.
+    counts: this rank's groups of the rollout (partial.rollout_step); times: perf_counter at the start
+    of the step and after rollout, forward, update and push.
     """
     per_trajectory = {**rollout_metrics(trajs), **{k: v / len(trajs) for k, v in dropped.items()}}
     policy_shares, policy_globals = mean_over_updates(policy_updates)
     critic_shares, critic_globals = mean_over_updates(critic_updates)
     mask = batch["action_mask"]  # the trained tokens: where the trainer's logprobs were computed
     # the engine's logprobs against the trainer's of the same distribution (renormalised over the top_p
-    # nucleus, model.old_policy_forward); -inf where this rank compared no token: the max over ranks is
-    # then the gap of the ranks that did
-    engine_diff = ((batch["nucleus_logprobs"] - batch["rollout_logprobs"]).abs()[mask > 0].max().item()
-                   if mask.any() else -math.inf)
+    # nucleus, model.old_policy_forward), on the tokens the policy of this step sampled (a partial rollout's
+    # older ones differ by what training changed); -inf where this rank compared no token: the max over
+    # ranks is then the gap of the ranks that did
+    fresh = (mask > 0) & (batch["version"] == step)
+    engine_diff = ((batch["nucleus_logprobs"] - batch["rollout_logprobs"]).abs()[fresh].max().item()
+                   if fresh.any() else -math.inf)
     # what this rank's trainer passes computed
     update_tokens = packed_tokens(batch, (mask.sum(-1) > 0).nonzero().flatten().tolist())
+    # how many steps before this one the policy that sampled each trained token was (partial rollouts)
+    staleness = (step - batch["version"]) * mask
     sums = {**{k: v * len(trajs) for k, v in per_trajectory.items()}, **policy_shares, **critic_shares,
             "trajectories": len(trajs), "action_tokens": float(sum(sum(t.action_mask) for t in trajs)),
             "trained_tokens": mask.sum().item(), "tokens": float(sum(batch["lengths"])),
-            "update_tokens": update_tokens, "ranks": 1}
+            "update_tokens": update_tokens, "ranks": 1, **counts, "staleness": staleness.sum().item(),
+            "carried": sum(t.oldest_version() < step for t in trajs if t.oldest_version() is not None)}
     if kl is not None:
         sums["kl"] = kl.sum().item()
     maxes = {**policy_globals, **critic_globals, "engine_logprob_diff": engine_diff,
-             "busiest_rank_tokens": update_tokens}
+             "busiest_rank_tokens": update_tokens, "staleness_max": staleness.max().item()}
     total = reduce_metrics(sums, maxes)
     metrics = {"step": step + 1, **{k: total[k] / total["trajectories"] for k in per_trajectory}}
     metrics.update({k: total[k] for k in [*policy_shares, *critic_shares, *policy_globals, *critic_globals,
                                           "engine_logprob_diff"]})
-    if total["trained_tokens"] == 0:  # every trajectory was left out: nothing was compared
+    if metrics["engine_logprob_diff"] == -math.inf:  # every trajectory left out, or stale: nothing compared
         del metrics["engine_logprob_diff"]
     metrics["policy_updates"] = len(policy_updates)  # 0 when every trajectory was left out: no step taken
     # the busiest rank's trainer tokens over the mean rank's (1: even; every pass waits for the
@@ -60,6 +66,16 @@ def step_metrics(step, trajs, dropped, batch, policy_updates, critic_updates, kl
     metrics["rank_imbalance"] = total["busiest_rank_tokens"] * total["ranks"] / max(total["update_tokens"], 1)
     if kl is not None:  # over the tokens that train
         metrics["kl"] = total["kl"] / max(total["trained_tokens"], 1)
+    # partial rollouts: the staleness of the trained tokens, the share of trajectories carried over from an
+    # earlier step, the groups paused into the next; dynamic sampling: groups ended per group that trains
+    metrics["staleness"] = total["staleness"] / max(total["trained_tokens"], 1)
+    metrics["staleness_max"] = total["staleness_max"]
+    metrics["carried"] = total["carried"] / total["trajectories"]
+    metrics["paused"] = total["paused"]
+    metrics["refills"] = total["refills"]
+    metrics["groups_kept"] = total["groups_kept"]
+    if total["groups_kept"]:
+        metrics["sampled_per_kept"] = total["groups_ended"] / total["groups_kept"]
     t0, t1, t2, t3, t4 = times
     metrics.update({"time/rollout": t1 - t0, "time/forward": t2 - t1, "time/update": t3 - t2,
                     "time/push": t4 - t3, "time/step": t4 - t0, "tokens_per_s": total["tokens"] / (t4 - t0),
@@ -100,11 +116,19 @@ def step_line(metrics, cfg, first_step, elapsed):
     else:
         kl = ""
     eta = elapsed / (m["step"] - first_step) * (cfg.steps - m["step"])
+    # grpo.refill: the groups that train, of those asked for, and why fewer; partial rollouts: staleness
+    kept = ""
+    if cfg.grpo.refill:
+        asked = cfg.rollout.prompts_per_step
+        spent = " (grpo.max_refill's spare prompts spent)" if m["groups_kept"] < asked else ""
+        kept = f" | groups {m['groups_kept']:.0f}/{asked}{spent}"
+    if cfg.rollout.max_staleness:
+        kept += f" | stale {m['staleness']:.2f} carried {m['carried']:.2f}"
     evaluation = f" | eval reward {m['eval/reward']:.3f}" if "eval/reward" in m else ""
     evaluation += f" {answer} {m['eval/' + answer]:.3f}" if "eval/" + answer in m else ""
     return (f"step {m['step']:4d}/{cfg.steps} | reward {m['reward']:.3f}{score} | turns {m['turns']:.2f} | "
             f"resp {m['response_tokens']:.0f} | "
-            f"{kl}{update} | drop {m['dropped_uniform']:.2f}+{m['dropped_overlong']:.2f} | "
+            f"{kl}{update} | drop {m['dropped_uniform']:.2f}+{m['dropped_overlong']:.2f}{kept} | "
             f"rollout {m['time/rollout']:.1f}s fwd {m['time/forward']:.1f}s upd {m['time/update']:.1f}s "
             f"push {m['time/push']:.2f}s | "
             f"{m['tokens_per_s']:.0f} tok/s | elapsed {duration(elapsed)} eta {duration(eta)}{evaluation}")

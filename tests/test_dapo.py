@@ -97,7 +97,7 @@ def test_a_group_is_dropped_exactly_when_its_advantages_are_all_zero():
 def two_token_trajectories(rewards, finish):
     """One trajectory per reward: a 2-token prompt and one turn of 2 action tokens."""
     return [Trajectory(sample={"id": str(n)}, prompt_ids=[1, 2], messages=[], response_ids=[5, 6],
-                       action_mask=[1, 1], rollout_logprobs=[0.0, 0.0], turn_spans=[(0, 2)],
+                       action_mask=[1, 1], rollout_logprobs=[0.0, 0.0], versions=[0, 0], turn_spans=[(0, 2)],
                        step_rewards=[0.0], reward=r, finish_reason=f)
             for n, (r, f) in enumerate(zip(rewards, finish))]
 

@@ -18,11 +18,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import procs
-from nanoagent.agent import run_agent, scripted_trajectories
+from nanoagent.agent import Rollouts, run_agent, scripted_trajectories
 from nanoagent.batch import collate, counted_in_baseline, token_rewards, trained_rows
 from nanoagent.config import make_config
 from nanoagent.engine import SamplingConfig, VLLMEngine, stop_token_ids
 from nanoagent.env import ChatEnv
+from nanoagent.partial import rollout_step
 from nanoagent.tasks import textworld
 from nanoagent.tiny_pretrain import pretraining_loss, pretraining_rows
 
@@ -72,6 +73,17 @@ class Failing:
         if self.how == "hang":
             threading.Event().wait()
         return 42, 0.0, False, {}
+
+
+class Gated:
+    """One turn, whose step returns once its row's gate (a threading.Event) is open."""
+    def reset(self, row):
+        self.gate = row["gate"]
+        return [SYSTEM, {"role": "user", "content": f"Start at {row['start']}."}]
+
+    def step(self, action):
+        self.gate.wait()
+        return "ok", 0.0, True, {}
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +147,7 @@ def test_an_environment_under_last_k_renders_each_turns_prompt(engine, tok):
             seen = t.messages[:2] + (t.messages[2 * k:2 * k + 2] if k else [])  # the prompt, then the one turn before (assistant, observation)
             assert tok.decode(prompt, skip_special_tokens=False) == env.render(seen, add_generation_prompt=True)
             assert prompt.count(tok.convert_tokens_to_ids("<|im_end|>")) == len(seen)  # the observations' "<|im_end|>" is text
-        for (ids, mask, _, _), (s, e) in zip(t.sequences(), t.turn_spans):
+        for (ids, mask, _, _, _), (s, e) in zip(t.sequences(), t.turn_spans):
             assert ids[len(ids) - (e - s):] == t.response_ids[s:e] and sum(mask) == e - s
 
 
@@ -179,7 +191,7 @@ def test_a_textworld_game_is_won_by_its_walkthrough_through_the_loop_and_engine(
         assert sum(t.step_rewards) == pytest.approx(1.0) and t.messages[:2] == r["messages"]
     # a model that memorised the two trajectories plays them again through the engine, greedily, and wins
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    batch = [(ids, mask) for t in demos for ids, mask, _, _ in t.sequences()]
+    batch = [(ids, mask) for t in demos for ids, mask, *_ in t.sequences()]
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(1500):  # until every demonstrated token is the greedy choice (a low mean loss can hide one that is not)
         loss = pretraining_loss(model, batch, tok.pad_token_id)
@@ -312,3 +324,63 @@ def test_train_py_plays_textworld_and_resumes_to_the_same_next_step(tmp_path):
     for k in ["reward", "step_reward", "won", "score", "moves", "turns", "response_tokens", "pg_loss", "vf_loss", "grad_norm", "entropy"]:
         assert step2[k] == pytest.approx(expected[k], rel=1e-5, abs=1e-7), k
     assert expected["turns"] > 1 and expected["entropy"] != 0 and expected["finish/env_error"] == 0
+
+
+def test_a_partial_rollout_ends_when_enough_groups_have_and_the_rest_go_on_first(engine, tok):
+    """
+    partial.rollout_step over the real engine, rollout.max_staleness=1: step 0 ends once its share of
+    groups has ended, while the extra groups' environments still hold their steps (a closed gate); those
+    pause and go on first in step 1, which starts no spare groups for them, and which waits for their end
+    (paused again, their step-0 tokens would be 2 steps old when step 2 trains).
+    """
+    cfg = make_config("tiny", ["rollout.prompts_per_step=2", "rollout.group_size=2", "ppo.mini_batch_size=4",
+                               "rollout.max_staleness=1", "rollout.extra_prompts=2", "train.tis=true"])
+    opened, held = threading.Event(), threading.Event()
+    opened.set()
+    row = lambda i, gate: {"id": f"r{i}", "start": i, "gate": gate, "answers": []}  # noqa: E731
+    rollouts = Rollouts(engine, ChatEnv(Gated, tok, max_obs_tokens=256), SAMPLED, max_turns=2,
+                        max_context_tokens=MAX_CONTEXT)
+    spares = iter([row(10, held), row(11, held)])
+    scored = []
+    starts = lambda groups: [g[0].sample["start"] for g in groups]  # noqa: E731
+    done, paused, counts = rollout_step(rollouts, [], [row(0, opened), row(1, opened)], spares, 0, 7,
+                                        scored.append, lambda group: True, cfg, world=1)
+    assert starts(done) == [0, 1] and starts(paused) == [10, 11]
+    assert counts == {"groups_ended": 2, "groups_kept": 2, "carried_in": 0, "paused": 2, "refills": 0}
+    assert scored == [t for g in done for t in g]
+    assert all(t.versions and set(t.versions) == {0} for t in scored)
+    assert not rollouts.generating and all(t.finish_reason is None for g in paused for t in g)
+    timer = threading.Timer(1.0, held.set)  # the held steps come back while step 1 runs
+    timer.start()
+    done, paused, counts = rollout_step(rollouts, paused, [row(2, opened), row(3, opened)], spares, 1, 8,
+                                        scored.append, lambda group: True, cfg, world=1)
+    timer.join()
+    assert starts(done) == [10, 11, 2, 3] and paused == []
+    assert counts == {"groups_ended": 4, "groups_kept": 4, "carried_in": 2, "paused": 0, "refills": 0}
+    for g in done:
+        for t in g:
+            mask = torch.tensor(t.action_mask, dtype=torch.bool)
+            assert set(torch.tensor(t.versions)[mask].tolist()) == {0 if t.sample["start"] >= 10 else 1}
+
+
+@pytest.mark.parametrize("max_refill, kept, refills", [(1.0, 2, 3), (2.0, 3, 4)])
+def test_dynamic_sampling_replaces_groups_that_train_nothing_within_the_step(engine, tok, max_refill, kept,
+                                                                             refills):
+    """
+    grpo.refill: a group that ends with nothing to train on (here: an even start, by a scripted rule)
+    is replaced at once by a group of the next spare prompt, until the step's share of groups that train
+    is in (3 of 3), or grpo.max_refill x the share of spare prompts were started (2 of 3). Which spares are
+    drawn does not depend on which group ended first.
+    """
+    cfg = make_config("tiny", ["rollout.prompts_per_step=3", "rollout.group_size=2", "grpo.refill=true",
+                               f"grpo.max_refill={max_refill}", "ppo.mini_batch_size=6"])
+    rows_ = {r["start"]: r for r in rows(8)}
+    env = ChatEnv(lambda: Counter(turns=1), tok, max_obs_tokens=256)
+    rollouts = Rollouts(engine, env, SAMPLED, max_turns=1, max_context_tokens=MAX_CONTEXT)
+    spares = iter([rows_[4], rows_[6], rows_[5], rows_[7]])
+    done, paused, counts = rollout_step(rollouts, [], [rows_[0], rows_[1], rows_[2]], spares, 0, 7,
+                                        lambda t: None, lambda group: group[0].sample["start"] % 2 == 1, cfg,
+                                        world=1)
+    assert [g[0].sample["start"] for g in done] == [0, 1, 2, 4, 6, 5, 7][:3 + refills] and paused == []
+    assert counts == {"groups_ended": 3 + refills, "groups_kept": kept, "carried_in": 0, "paused": 0,
+                      "refills": refills}

@@ -43,6 +43,9 @@ ESTIMATORS = {  # name: overrides (README: "How the code maps to the Agent-R1 fo
     "ppo-step": ["algo=ppo", "ppo.credit=step"],
     "steppo": ["algo=ppo", "ppo.credit=step", "ppo.ratio=step", "ppo.whiten_over=steps", "train.loss_agg=step_mean_token_mean",
                "rollout.context=last_k", "ppo.gamma=0.99"],  # StepPO as published: the README's line
+    # partial rollouts (tokens up to a step old, decoupled PPO's weights) and dynamic sampling together
+    "grpo-partial-refill": ["algo=grpo", "rollout.max_staleness=1", "rollout.extra_prompts=8", "train.tis=true",
+                            "grpo.refill=true"],
 }
 
 

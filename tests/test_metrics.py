@@ -35,12 +35,15 @@ rank = dist.get_rank()
 for case in json.loads(sys.argv[1]):
     trained = case[rank]
     t = Trajectory(sample={"id": str(rank)}, prompt_ids=[1, 2], messages=[], response_ids=[3, 4], action_mask=[1, 1],
-                   rollout_logprobs=[-1.0, -2.0], turn_spans=[(0, 2)], finish_reason="done")
+                   rollout_logprobs=[-1.0, -2.0], versions=[0, 0], turn_spans=[(0, 2)], finish_reason="done")
     mask = torch.tensor([[0.0, 0.0, 1.0, 1.0]]) * trained
     batch = {"action_mask": mask, "rollout_logprobs": torch.tensor([[0.0, 0.0, -1.0, -2.0]]), "lengths": [4],
              "prompt": torch.tensor([0]), "prompt_length": torch.tensor([2]),
-             "nucleus_logprobs": torch.tensor([[0.0, 0.0, -1.0 - 0.1 * (rank + 1), -2.0]]) * mask}
-    metrics = step_metrics(0, [t], {"dropped_uniform": 1 - trained, "dropped_overlong": 0, "dropped_env_error": 0}, batch, [], [], None, [0.0, 1.0, 2.0, 3.0, 4.0])
+             "nucleus_logprobs": torch.tensor([[0.0, 0.0, -1.0 - 0.1 * (rank + 1), -2.0]]) * mask,
+             "version": torch.zeros(1, 4, dtype=torch.long)}
+    counts = {"groups_ended": 1, "groups_kept": 1, "carried_in": 0, "paused": 0, "refills": 0}
+    dropped = {"dropped_uniform": 1 - trained, "dropped_overlong": 0, "dropped_env_error": 0}
+    metrics = step_metrics(0, [t], dropped, batch, [], [], None, counts, [0.0, 1.0, 2.0, 3.0, 4.0])
     if rank == 0:
         print(json.dumps(metrics))
 dist.destroy_process_group()
@@ -85,6 +88,7 @@ def scored_step(cfg, answers, kl, updated=True):
                        response_ids=[3],
                        action_mask=[1],
                        rollout_logprobs=[-1.0],
+                       versions=[4],
                        turn_spans=[(0, 1)],
                        final_text=text,
                        finish_reason="done")
@@ -96,7 +100,8 @@ def scored_step(cfg, answers, kl, updated=True):
              "nucleus_logprobs": -mask,
              "lengths": [3] * len(trajs),
              "prompt": torch.arange(len(trajs)),
-             "prompt_length": torch.tensor([2] * len(trajs))}
+             "prompt_length": torch.tensor([2] * len(trajs)),
+             "version": torch.full_like(mask, 4, dtype=torch.long)}
     update = ({"pg_loss": 0.1, "clipfrac": 0.0, "approx_kl": 0.0123, "entropy": 0.9, "kl_loss": 0.0},
               {"grad_norm": 0.5, "skipped": 0.0})
     return step_metrics(4,
@@ -106,6 +111,7 @@ def scored_step(cfg, answers, kl, updated=True):
                         [update] if updated else [],
                         [],
                         None if kl is None else kl * mask,
+                        {"groups_ended": 1, "groups_kept": 1, "carried_in": 0, "paused": 0, "refills": 0},
                         [0.0, 1.0, 2.0, 3.0, 4.0])
 
 
@@ -140,3 +146,13 @@ def test_step_line_shows_the_answer_score_each_kl_by_name_elapsed_and_eta(proces
     cfg = make_config("tiny", ["algo=ppo", "ppo.critic_warmup_steps=10"])
     line = step_line(scored_step(cfg, ["84", "7"], kl=None, updated=False), cfg, 0, 10.0)
     assert "| resp 1 | no policy update | drop 0.00+0.00 |" in line and "kl_" not in line
+
+    # grpo.refill: the groups that train, of those asked for, and why fewer; partial rollouts: staleness
+    cfg = make_config("tiny", ["grpo.refill=true", "rollout.max_staleness=1", "rollout.extra_prompts=4",
+                               "train.tis=true"])
+    metrics = scored_step(cfg, ["84", "7"], kl=None)  # one group of the 8 asked for trained
+    assert metrics["groups_kept"] == 1 and metrics["sampled_per_kept"] == 1 and metrics["staleness"] == 0
+    line = step_line(metrics, cfg, 0, 10.0)
+    assert "| groups 1/8 (grpo.max_refill's spare prompts spent) | stale 0.00 carried 0.00 |" in line
+    metrics["groups_kept"] = 8
+    assert "| groups 8/8 | stale" in step_line(metrics, cfg, 0, 10.0)

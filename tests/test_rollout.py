@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import procs
 import scripted
 from padded import load_causal_lm
-from nanoagent.agent import run_agent
+from nanoagent.agent import Rollouts, run_agent
 from nanoagent.batch import collate
 from nanoagent.engine import HFEngine, SamplingConfig, VLLMEngine, stop_token_ids
 from nanoagent.model import forward_all, policy_forward
@@ -228,12 +228,12 @@ def test_last_k_context_is_token_exact_per_step_and_bounded(engine, env, scripte
             assert tok.decode(prompt, skip_special_tokens=False) == env.render(visible, add_generation_prompt=True)
             assert prompt == lastk.prompt_ids(visible)  # tool results as text (test_tools), which may quote a special token
     for traj in greedy:  # the engine samples the same action again from the step's prompt
-        for ids, mask, _, [(s, e)] in traj.sequences():
+        for ids, mask, _, [(s, e)], _ in traj.sequences():
             assert mask == [0] * s + [1] * (e - s)
             [replay] = engine.generate([ids[:s]], GREEDY, [e - s])
             assert replay.token_ids == ids[s:e]
     for traj in sampled:  # the trainer's logprobs over each (prompt, action) row are the engine's
-        for ids, _, logprobs, [(s, e)] in traj.sequences():
+        for ids, _, logprobs, [(s, e)], _ in traj.sequences():
             with torch.no_grad():
                 logits = model(torch.tensor([ids])).logits[0, s - 1:e - 1].float() / 0.7
             trainer = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[s:e])[:, None]).squeeze(-1)
@@ -282,6 +282,44 @@ def test_load_weights_switches_generation_and_logprobs(engine, env, tiny_model_d
         engine.load_weights(memorised.state_dict().items())
     [back] = engine.generate([prompt], GREEDY)
     assert env.tokenizer.decode(back.token_ids).startswith("<tool_call>")
+
+
+def test_a_paused_trajectory_goes_on_under_new_weights_token_exactly(engine, env, tiny_model_dir,
+                                                                     scripted_dir):
+    """
+    A partial rollout (nanoagent/partial.py): pause() aborts the turns in the engine mid-way, keeping what
+    each sampled, and the next run goes on from there under new weights. Each row stays token-exact, the
+    paused turn is what the two versions sampled, in order, each token's logprob is that of the weights
+    that sampled it (the continuation was conditioned on exactly the row so far), and its version is
+    recorded.
+    """
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    memorised = AutoModelForCausalLM.from_pretrained(scripted_dir, dtype=torch.float32)
+    rollouts = Rollouts(engine, env, SamplingConfig(max_new_tokens=48, temperature=1.0), max_turns=4,
+                        max_context_tokens=MAX_CONTEXT)
+    trajs = rollouts.start(samples() * 2, seed=3)
+    engine_steps = itertools.count(1)
+    rollouts.run(lambda: next(engine_steps) == 4)  # a few tokens into every first turn
+    rollouts.pause()
+    paused = [list(t.partial[0]) for t in trajs]
+    assert not rollouts.generating and all(paused) and not any(t.finish_reason for t in trajs)
+    try:
+        engine.load_weights(base.state_dict().items())
+        rollouts.version = 1
+        rollouts.run()
+    finally:
+        engine.load_weights(memorised.state_dict().items())
+    for t, before in zip(trajs, paused):
+        assert t.finish_reason and t.partial == ((), (), ()) and t.pieces == 0
+        check_token_exact(t, env)
+        s, e = t.turn_spans[0]
+        assert t.response_ids[s:s + len(before)] == before
+        mask = torch.tensor(t.action_mask, dtype=torch.bool)
+        versions = torch.tensor(t.versions)
+        assert versions[mask].tolist() == [0] * len(before) + [1] * (int(mask.sum()) - len(before))
+        expected = torch.where(versions == 0, trainer_logprobs(memorised, t, 1.0),
+                               trainer_logprobs(base, t, 1.0))
+        assert (torch.tensor(t.rollout_logprobs) - expected)[mask].abs().max() <= 1e-4
 
 
 def test_hf_fallback_engine_gives_the_same_trajectories(greedy_trajs, env, scripted_dir):

@@ -286,6 +286,26 @@ def test_a_run_that_trains_nothing_says_so_and_stops(tmp_path):
     assert [m["trained"] for m in map(json.loads, open(tmp_path / "run" / "metrics.jsonl"))] == [0.0, 0.0]
 
 
+def test_partial_rollouts_with_refill_train_within_the_staleness_bound_on_two_ranks(tmp_path):
+    """
+    rollout.max_staleness=1 with extra groups in flight, and grpo.refill, end to end on 2 ranks, where half
+    the prompts' groups are uniform (tests/half_uniform_task.py, a scripted reward): no trained token is
+    more than one step old, every step trains on rollout.prompts_per_step groups or its line says the spare
+    prompts ran out, and the run ends with its export. (Carrying over, deterministically: test_env.py.)
+    """
+    out, metrics = train(tmp_path / "run", "algo=grpo", "steps=3", "rollout.max_staleness=1",
+                         "rollout.extra_prompts=4", "train.tis=true", "grpo.refill=true", "grpo.max_refill=2",
+                         f"data.task={os.path.join(ROOT, 'tests', 'half_uniform_task.py')}")
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [m["step"] for m in metrics] == [1, 2, 3] and len(lines) == 3
+    for m, line in zip(metrics, lines):
+        assert m["staleness_max"] <= 1 and 0 <= m["staleness"] <= 1, m
+        assert m["groups_kept"] >= 4 or "(grpo.max_refill's spare prompts spent)" in line, line
+        assert f"| stale {m['staleness']:.2f} carried {m['carried']:.2f} |" in line
+    assert sum(m["refills"] for m in metrics) > 0  # step 1's own prompts hold uniform ones (a seeded order)
+    assert os.path.exists(tmp_path / "run" / "hf" / "config.json")
+
+
 def test_a_start_that_fails_leaves_the_run_folder_as_it_was(tmp_path):
     """resume=never moves a used run_dir aside and writes config.json only once everything is built:
     a start that fails (here: its prompt file is missing) used to leave a <run_dir>.old-* folder per try."""

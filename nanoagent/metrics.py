@@ -67,11 +67,13 @@ def step_metrics(step, trajs, dropped, batch, policy_updates, critic_updates, kl
     if kl is not None:  # over the tokens that train
         metrics["kl"] = total["kl"] / max(total["trained_tokens"], 1)
     # partial rollouts: the staleness of the trained tokens, the share of trajectories carried over from an
-    # earlier step, the groups paused into the next; dynamic sampling: groups ended per group that trains
+    # earlier step, the groups paused (running) and held (ended) into the next; dynamic sampling: groups
+    # ended per group that trains
     metrics["staleness"] = total["staleness"] / max(total["trained_tokens"], 1)
     metrics["staleness_max"] = total["staleness_max"]
     metrics["carried"] = total["carried"] / total["trajectories"]
     metrics["paused"] = total["paused"]
+    metrics["held"] = total["held"]
     metrics["refills"] = total["refills"]
     metrics["groups_kept"] = total["groups_kept"]
     if total["groups_kept"]:

@@ -9,11 +9,13 @@ Partial rollouts (rollout.max_staleness > 0). A rank keeps rollout.extra_prompts
 flight beyond its share of rollout.prompts_per_step, and its rollout ends once that share has ended.
 The groups still running pause (agent.Rollouts.pause: their turns in the engine aborted, what they
 sampled kept) and go on in the next step under the new weights, ahead of it; that step starts as many
-groups of spare prompts as it takes to have extra_prompts in flight again. Every token records the step
-whose policy sampled it (Trajectory.versions). A group is paused only if its oldest token will be at
-most max_staleness steps old when the next step trains; otherwise the rollout waits for its end. The
-loss weighs stale tokens by min(pi_old / pi_behaviour, train.tis_cap) (README: Partial rollouts). A
-resume starts without the groups paused at the checkpoint.
+groups of spare prompts as it takes to have extra_prompts in flight again. A step trains its share of
+groups, the oldest first; groups that ended beyond it are held, ended, for the next step. Every token
+records the step whose policy sampled it (Trajectory.versions). A group is paused or held only if its
+oldest token will be at most max_staleness steps old when the next step trains: otherwise the rollout
+waits for its end and it trains now, beyond the share if need be. The loss weighs stale tokens by
+min(pi_old / pi_behaviour, train.tis_cap) (README: Partial rollouts). A resume starts without the
+groups paused or held at the checkpoint.
 
 Dynamic sampling (grpo.refill, DAPO's). A group that ends with nothing to train on (rewards all equal:
 its GRPO advantages are all 0; or every trajectory left out) is replaced at once, within the step, by a
@@ -35,18 +37,22 @@ def can_carry(group, step, max_staleness):
 def rollout_step(rollouts, carried, prompts, spares, step, seed, score, trains, cfg, world):
     """
     One step's rollout on this rank. rollouts: its agent.Rollouts; carried: the groups the last step
-    paused; prompts: this step's share of the data; spares: an iterator of spare prompts; seed: the
-    sampling seed of this step's first groups; score(t): the task scores a trajectory when its group
-    ends; trains(group): whether some trajectory of a scored group trains. Returns (the groups that
-    ended, in start order: the carried ones first; the groups paused; this rank's counts of groups:
-    ended, kept (that train), carried in, paused, refills).
+    left, paused or ended; prompts: this step's share of the data; spares: an iterator of spare prompts;
+    seed: the sampling seed of this step's first groups; score(t): the task scores a trajectory when its
+    group ends; trains(group): whether some trajectory of a scored group trains. Returns (the groups this
+    step trains, in start order, the carried ones first; the groups it leaves to the next step; this
+    rank's counts of groups: ended in this rollout, kept (that train), carried in, paused, held, refills).
     """
     r, G = cfg.rollout, cfg.rollout.group_size
     share = r.prompts_per_step // world
     extra = r.extra_prompts // world if r.max_staleness else 0
     refills_left = int(cfg.grpo.max_refill * share) if cfg.grpo.refill else 0
     rollouts.version = step
-    groups, ended, starts, refills = list(carried), {}, 0, 0  # ended: id(group) -> whether it trains
+    groups, starts, refills = list(carried), 0, 0
+    # id(group) -> whether it trains, for the groups that ended (the carried ones that had were scored then)
+    ended = {id(g): trains(g) for g in carried if all(t.finish_reason for t in g)}
+    ended_before = len(ended)
+    counted = lambda g: ended[id(g)] or not cfg.grpo.refill  # noqa: E731  (refill: the groups that train)
 
     def start(rows):
         nonlocal starts
@@ -65,16 +71,23 @@ def rollout_step(rollouts, carried, prompts, spares, step, seed, score, trains, 
                     refills_left, refills = refills_left - 1, refills + 1
                     start([next(spares)])
         running = [g for g in groups if id(g) not in ended]
-        counted = sum(ended.values()) if cfg.grpo.refill else len(ended)  # refill: only the groups that train
-        return counted >= share and all(can_carry(g, step, r.max_staleness) for g in running)
+        return (sum(counted(g) for g in groups if id(g) in ended) >= share
+                and all(can_carry(g, step, r.max_staleness) for g in running))
 
     start(prompts + [next(spares) for _ in range(max(0, extra - len(carried)))])
     rollouts.run(enough)
-    done = [g for g in groups if id(g) in ended]
-    paused = [g for g in groups if id(g) not in ended]
-    if paused:
+    running = [g for g in groups if id(g) not in ended]
+    if running:
         rollouts.pause()
-    counts = {"groups_ended": len(done), "groups_kept": sum(ended.values()),
-              "carried_in": sum(any(g is c for c in carried) for g in done), "paused": len(paused),
-              "refills": refills}
-    return done, paused, counts
+    # what trains: the ended groups that cannot wait for the next step (all of them with max_staleness=0)
+    # and those that do not count, then the others, oldest first, up to the share; the rest are held
+    done = [g for g in groups if id(g) in ended]
+    must = {id(g) for g in done if not counted(g) or not can_carry(g, step, r.max_staleness)}
+    room = share - sum(counted(g) for g in done if id(g) in must)
+    chosen = must | {id(g) for g in [g for g in done if id(g) not in must][:max(room, 0)]}
+    train = [g for g in done if id(g) in chosen]
+    left = [g for g in groups if id(g) not in chosen]
+    tally = {"groups_ended": len(ended) - ended_before, "groups_kept": sum(ended[id(g)] for g in train),
+             "carried_in": sum(any(g is c for c in carried) for g in train), "paused": len(running),
+             "held": len(left) - len(running), "refills": refills}
+    return train, left, tally

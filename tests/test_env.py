@@ -330,8 +330,9 @@ def test_a_partial_rollout_ends_when_enough_groups_have_and_the_rest_go_on_first
     """
     partial.rollout_step over the real engine, rollout.max_staleness=1: step 0 ends once its share of
     groups has ended, while the extra groups' environments still hold their steps (a closed gate); those
-    pause and go on first in step 1, which starts no spare groups for them, and which waits for their end
-    (paused again, their step-0 tokens would be 2 steps old when step 2 trains).
+    pause and go on first in step 1, which starts no spare groups for them and waits for their end (paused
+    again, their step-0 tokens would be 2 steps old when step 2 trains), then trains them, its share; its
+    own groups, ended beyond the share, are held for step 2, which trains them at once.
     """
     cfg = make_config("tiny", ["rollout.prompts_per_step=2", "rollout.group_size=2", "ppo.mini_batch_size=4",
                                "rollout.max_staleness=1", "rollout.extra_prompts=2", "train.tis=true"])
@@ -346,7 +347,8 @@ def test_a_partial_rollout_ends_when_enough_groups_have_and_the_rest_go_on_first
     done, paused, counts = rollout_step(rollouts, [], [row(0, opened), row(1, opened)], spares, 0, 7,
                                         scored.append, lambda group: True, cfg, world=1)
     assert starts(done) == [0, 1] and starts(paused) == [10, 11]
-    assert counts == {"groups_ended": 2, "groups_kept": 2, "carried_in": 0, "paused": 2, "refills": 0}
+    assert counts == {"groups_ended": 2, "groups_kept": 2, "carried_in": 0, "paused": 2, "held": 0,
+                      "refills": 0}
     assert scored == [t for g in done for t in g]
     assert all(t.versions and set(t.versions) == {0} for t in scored)
     assert not rollouts.generating and all(t.finish_reason is None for g in paused for t in g)
@@ -355,12 +357,19 @@ def test_a_partial_rollout_ends_when_enough_groups_have_and_the_rest_go_on_first
     done, paused, counts = rollout_step(rollouts, paused, [row(2, opened), row(3, opened)], spares, 1, 8,
                                         scored.append, lambda group: True, cfg, world=1)
     timer.join()
-    assert starts(done) == [10, 11, 2, 3] and paused == []
-    assert counts == {"groups_ended": 4, "groups_kept": 4, "carried_in": 2, "paused": 0, "refills": 0}
-    for g in done:
+    assert starts(done) == [10, 11] and starts(paused) == [2, 3]
+    assert all(t.finish_reason for g in paused for t in g)
+    assert counts == {"groups_ended": 4, "groups_kept": 2, "carried_in": 2, "paused": 0, "held": 2,
+                      "refills": 0}
+    held = paused
+    done, paused, counts = rollout_step(rollouts, held, [row(4, opened), row(5, opened)], spares, 2, 9,
+                                        scored.append, lambda group: True, cfg, world=1)
+    assert starts(done) == [2, 3] and starts(paused) == [4, 5] and counts["carried_in"] == 2
+    assert len(scored) == 12  # a held group is not scored again
+    for g in held:
         for t in g:
             mask = torch.tensor(t.action_mask, dtype=torch.bool)
-            assert set(torch.tensor(t.versions)[mask].tolist()) == {0 if t.sample["start"] >= 10 else 1}
+            assert set(torch.tensor(t.versions)[mask].tolist()) == {1}
 
 
 @pytest.mark.parametrize("max_refill, kept, refills", [(1.0, 2, 3), (2.0, 3, 4)])
@@ -383,4 +392,4 @@ def test_dynamic_sampling_replaces_groups_that_train_nothing_within_the_step(eng
                                         world=1)
     assert [g[0].sample["start"] for g in done] == [0, 1, 2, 4, 6, 5, 7][:3 + refills] and paused == []
     assert counts == {"groups_ended": 3 + refills, "groups_kept": kept, "carried_in": 0, "paused": 0,
-                      "refills": refills}
+                      "held": 0, "refills": refills}

@@ -41,7 +41,7 @@ for case in json.loads(sys.argv[1]):
              "prompt": torch.tensor([0]), "prompt_length": torch.tensor([2]),
              "nucleus_logprobs": torch.tensor([[0.0, 0.0, -1.0 - 0.1 * (rank + 1), -2.0]]) * mask,
              "version": torch.zeros(1, 4, dtype=torch.long)}
-    counts = {"groups_ended": 1, "groups_kept": 1, "carried_in": 0, "paused": 0, "refills": 0}
+    counts = {"groups_ended": 1, "groups_kept": 1, "carried_in": 0, "paused": 0, "held": 0, "refills": 0}
     dropped = {"dropped_uniform": 1 - trained, "dropped_overlong": 0, "dropped_env_error": 0}
     metrics = step_metrics(0, [t], dropped, batch, [], [], None, counts, [0.0, 1.0, 2.0, 3.0, 4.0])
     if rank == 0:
@@ -111,7 +111,8 @@ def scored_step(cfg, answers, kl, updated=True):
                         [update] if updated else [],
                         [],
                         None if kl is None else kl * mask,
-                        {"groups_ended": 1, "groups_kept": 1, "carried_in": 0, "paused": 0, "refills": 0},
+                        {"groups_ended": 1, "groups_kept": 1, "carried_in": 0, "paused": 0, "held": 0,
+                         "refills": 0},
                         [0.0, 1.0, 2.0, 3.0, 4.0])
 
 

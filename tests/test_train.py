@@ -291,18 +291,22 @@ def test_partial_rollouts_with_refill_train_within_the_staleness_bound_on_two_ra
     rollout.max_staleness=1 with extra groups in flight, and grpo.refill, end to end on 2 ranks, where half
     the prompts' groups are uniform (tests/half_uniform_task.py, a scripted reward): no trained token is
     more than one step old, every step trains on rollout.prompts_per_step groups or its line says the spare
-    prompts ran out, and the run ends with its export. (Carrying over, deterministically: test_env.py.)
+    prompts ran out, and the run ends with its export. Resumed, it goes on without the groups paused at the
+    checkpoint (README: Partial rollouts). (Carrying over, deterministically: test_env.py.)
     """
-    out, metrics = train(tmp_path / "run", "algo=grpo", "steps=3", "rollout.max_staleness=1",
-                         "rollout.extra_prompts=4", "train.tis=true", "grpo.refill=true", "grpo.max_refill=2",
-                         f"data.task={os.path.join(ROOT, 'tests', 'half_uniform_task.py')}")
-    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    overrides = ["algo=grpo", "rollout.max_staleness=1", "rollout.extra_prompts=4", "train.tis=true",
+                 "grpo.refill=true", "grpo.max_refill=2",
+                 f"data.task={os.path.join(ROOT, 'tests', 'half_uniform_task.py')}"]
+    first, _ = train(tmp_path / "run", "steps=2", *overrides)
+    then, metrics = train(tmp_path / "run", "steps=3", *overrides)
+    lines = [line for line in (first + then).splitlines() if line.startswith("step ")]
     assert [m["step"] for m in metrics] == [1, 2, 3] and len(lines) == 3
     for m, line in zip(metrics, lines):
         assert m["staleness_max"] <= 1 and 0 <= m["staleness"] <= 1, m
         assert m["groups_kept"] >= 4 or "(grpo.max_refill's spare prompts spent)" in line, line
         assert f"| stale {m['staleness']:.2f} carried {m['carried']:.2f} |" in line
     assert sum(m["refills"] for m in metrics) > 0  # step 1's own prompts hold uniform ones (a seeded order)
+    assert "resumed from" in then and metrics[2]["carried"] == 0 == metrics[2]["staleness"]
     assert os.path.exists(tmp_path / "run" / "hf" / "config.json")
 
 

@@ -2,16 +2,18 @@
 Partial rollouts against waiting for the slowest trajectory (prints figures; asserts nothing).
 
     python bench/bench_partial.py [--steps 20] [--repeats 2]
+    python bench/bench_partial.py --config=demo model=out/demo/run/hf train.warm_start_steps=0
 
 The workload is bench/longtail_task.py: most prompts' episodes last 1-2 turns, one in ten 8-10, and
-every environment step takes 0-500 ms; GRPO on the tiny model with the real vLLM CPU engine.
+every environment step takes 0-500 ms; GRPO on the tiny model with the real vLLM CPU engine. Or a
+preset with overrides (the search demo's world with the model make demo trained, TextWorld's).
 1. The tail: the rollouts of train.py's first three steps (rollout.prompts_per_step x group_size
    trajectories each) run to their end by nanoagent's loop (agent.Rollouts): the share of the wall time
    during which fewer than half of the trajectories are still running, and the engine's batch (requests
    in it) in each tenth of that time.
 2. train.py's steps on that workload at the same batch, with rollout.max_staleness=0 (every step waits
-   for its last trajectory) and =1 (rollout.extra_prompts = half of prompts_per_step, train.tis on in
-   both), the runs in turn: the median time of a step and of its rollout over the steps after the
+   for its last trajectory) and =1 (rollout.extra_prompts = half of rollout.prompts_per_step; train.tis
+   on in both), the runs in turn: the median time of a step and of its rollout over the steps after the
    first of all runs of each, and the ratio of the medians (a step's time depends on how many long
    episodes it draws and how long their environment steps take, so take many steps).
 """
@@ -39,10 +41,8 @@ from nanoagent.hub import resolve_model  # noqa: E402
 from nanoagent.tasks import load_task, task_data  # noqa: E402
 
 TASK = os.path.join(ROOT, "bench", "longtail_task.py")
-BATCH = ["--config=tiny", f"data.task={TASK}", "algo=grpo", "rollout.prompts_per_step=16",
-         "rollout.group_size=4", "rollout.max_turns=10", "rollout.max_new_tokens=16",
-         "ppo.mini_batch_size=64", "train.tis=true"]
-PARTIAL = ["rollout.max_staleness=1", "rollout.extra_prompts=8"]
+LONG_TAIL = [f"data.task={TASK}", "algo=grpo", "rollout.prompts_per_step=16", "rollout.group_size=4",
+             "rollout.max_turns=10", "rollout.max_new_tokens=16", "ppo.mini_batch_size=64"]
 
 
 def tails(cfg, steps):
@@ -81,10 +81,10 @@ def tails(cfg, steps):
     return results
 
 
-def train_steps(overrides, steps, run_dir):
+def train_steps(preset, overrides, steps, run_dir):
     """Run train.py; the metrics of its steps after the first."""
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *BATCH, *overrides, f"steps={steps}",
-           "resume=never", f"run_dir={run_dir}"]
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), f"--config={preset}", *overrides, f"steps={steps}",
+           "eval.every=0", "resume=never", f"run_dir={run_dir}"]
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                    env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")})
     return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:]
@@ -94,9 +94,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, choices=range(1, 100), metavar="N")
+    parser.add_argument("--config", default=None, help="a preset (default: tiny on the long-tailed workload)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args()
-    cfg = make_config("tiny", BATCH[1:])
+    preset = args.config or "tiny"
+    overrides = [*([] if args.config else LONG_TAIL), *args.overrides, "train.tis=true"]
+    cfg = make_config(preset, overrides)
+    partial = ["rollout.max_staleness=1", f"rollout.extra_prompts={cfg.rollout.prompts_per_step // 2}"]
     print(f"1. the tail: steps 1-3's rollouts of {cfg.rollout.prompts_per_step} x {cfg.rollout.group_size} "
           "trajectories to their end")
     for seconds, few, tenths in tails(cfg, 3):
@@ -107,8 +112,9 @@ def main():
     runs = {"max_staleness=0": [], "max_staleness=1": []}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
-            for name, overrides in [("max_staleness=0", []), ("max_staleness=1", PARTIAL)]:
-                runs[name] += train_steps(overrides, args.steps, os.path.join(tmp, f"{name}-{repeat}"))
+            for name, more in [("max_staleness=0", []), ("max_staleness=1", partial)]:
+                run_dir = os.path.join(tmp, f"{name}-{repeat}")
+                runs[name] += train_steps(preset, overrides + more, args.steps, run_dir)
     step = {}
     for name, metrics in runs.items():
         median = lambda key: statistics.median(m[key] for m in metrics)  # noqa: E731

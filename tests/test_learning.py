@@ -43,15 +43,23 @@ ESTIMATORS = {  # name: overrides (README: "How the code maps to the Agent-R1 fo
     "ppo-step": ["algo=ppo", "ppo.credit=step"],
     "steppo": ["algo=ppo", "ppo.credit=step", "ppo.ratio=step", "ppo.whiten_over=steps", "train.loss_agg=step_mean_token_mean",
                "rollout.context=last_k", "ppo.gamma=0.99"],  # StepPO as published: the README's line
-    # partial rollouts (tokens up to a step old, decoupled PPO's weights) and dynamic sampling together
+    # partial rollouts (tokens up to a step old, decoupled PPO's weights) and dynamic sampling together,
+    # on one rank and on two (RANKS)
     "grpo-partial-refill": ["algo=grpo", "rollout.max_staleness=1", "rollout.extra_prompts=8", "train.tis=true",
                             "grpo.refill=true"],
+    "grpo-partial-refill-2-ranks": ["algo=grpo", "rollout.max_staleness=1", "rollout.extra_prompts=8",
+                                    "train.tis=true", "grpo.refill=true"],
 }
+RANKS = {"grpo-partial-refill-2-ranks": 2}  # torchrun's processes, for the runs that take more than one
 
 
-def train(run_dir, *overrides):
-    """The metrics of a train.py run on one thread (its output in run_dir.log), once it has exited 0."""
-    cmd = [sys.executable, "train.py", "--config=tiny", f"run_dir={run_dir}", "resume=never", *overrides]
+def train(run_dir, *overrides, ranks=1):
+    """The metrics of a train.py run on one thread a rank (its output in run_dir.log), once it exited 0."""
+    launch = [sys.executable]
+    if ranks > 1:
+        launch += ["-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
+                   f"--master_port={procs.free_port()}"]
+    cmd = [*launch, "train.py", "--config=tiny", f"run_dir={run_dir}", "resume=never", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(f"{run_dir}.log", "w") as log:
         proc = procs.start(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
@@ -67,7 +75,8 @@ def test_every_estimator_improves_on_the_warm_start(tmp_path):
     export = str(tmp_path / "warm" / "hf")
     longest_first = sorted(ESTIMATORS, key=lambda name: "algo=ppo" not in ESTIMATORS[name])  # a critic: the longest runs
     with ThreadPoolExecutor(max_workers=2) as pool:
-        runs = pool.map(lambda name: train(tmp_path / name, f"model={export}", *ESTIMATORS[name], *RL), longest_first)
+        runs = pool.map(lambda name: train(tmp_path / name, f"model={export}", *ESTIMATORS[name], *RL,
+                                           ranks=RANKS.get(name, 1)), longest_first)
         curves = {}
         for name, metrics in zip(longest_first, runs):
             evals = [(m["step"], m["eval/reward"]) for m in metrics if "eval/reward" in m]

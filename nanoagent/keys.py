@@ -85,7 +85,8 @@ class RolloutConfig:
         0, "partial rollouts: a step's rollout ends once rollout.prompts_per_step groups have ended; the "
         "others pause and go on in the next step under the new weights, no token trained more than this many "
         "steps after its policy sampled it (a group that would be waits for its end); 0: every step waits "
-        "for its last trajectory. Needs rollout.extra_prompts and train.tis (README: Partial rollouts)", low=0)
+        "for its last trajectory. Needs rollout.extra_prompts and train.tis (README: Partial rollouts)",
+        low=0)
     extra_prompts: int = opt(
         0, "max_staleness > 0: groups in flight beyond rollout.prompts_per_step (over all ranks), drawn from "
         "spare prompts (seeded, apart from the data order); those still running when enough have ended "

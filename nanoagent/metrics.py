@@ -49,7 +49,7 @@ def step_metrics(step, trajs, dropped, batch, policy_updates, critic_updates, kl
             "trajectories": len(trajs), "action_tokens": float(sum(sum(t.action_mask) for t in trajs)),
             "trained_tokens": mask.sum().item(), "tokens": float(sum(batch["lengths"])),
             "update_tokens": update_tokens, "ranks": 1, **counts, "staleness": staleness.sum().item(),
-            "carried": sum(t.oldest_version() < step for t in trajs if t.oldest_version() is not None)}
+            "carried": sum(v is not None and v < step for v in (t.oldest_version() for t in trajs))}
     if kl is not None:
         sums["kl"] = kl.sum().item()
     maxes = {**policy_globals, **critic_globals, "engine_logprob_diff": engine_diff,

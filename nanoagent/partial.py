@@ -88,6 +88,6 @@ def rollout_step(rollouts, carried, prompts, spares, step, seed, score, trains, 
     train = [g for g in done if id(g) in chosen]
     left = [g for g in groups if id(g) not in chosen]
     tally = {"groups_ended": len(ended) - ended_before, "groups_kept": sum(ended[id(g)] for g in train),
-             "carried_in": sum(any(g is c for c in carried) for g in train), "paused": len(running),
+             "carried_in": len({id(g) for g in train} & {id(g) for g in carried}), "paused": len(running),
              "held": len(left) - len(running), "refills": refills}
     return train, left, tally

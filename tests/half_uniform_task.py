@@ -7,14 +7,8 @@ ones 1, 0, 1, 0, ... in the order they are scored (non-uniform), whatever a tiny
 from collections import Counter
 
 from nanoagent.tasks import arithmetic
-
-SYSTEM_PROMPT = arithmetic.SYSTEM_PROMPT
-QUESTION = arithmetic.QUESTION
-Knobs = arithmetic.Knobs
-tools = arithmetic.tools
-prompts = arithmetic.prompts
-demonstration = arithmetic.demonstration
-prepare = arithmetic.prepare
+from nanoagent.tasks.arithmetic import (  # noqa: F401 (the task interface, arithmetic's)
+    QUESTION, SYSTEM_PROMPT, Knobs, demonstration, prepare, prompts, tools)
 
 times_scored = Counter()  # prompt id -> how many of its samples this process has scored
 

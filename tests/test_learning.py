@@ -45,8 +45,8 @@ ESTIMATORS = {  # name: overrides (README: "How the code maps to the Agent-R1 fo
                "rollout.context=last_k", "ppo.gamma=0.99"],  # StepPO as published: the README's line
     # partial rollouts (tokens up to a step old, decoupled PPO's weights) and dynamic sampling together,
     # on one rank and on two (RANKS)
-    "grpo-partial-refill": ["algo=grpo", "rollout.max_staleness=1", "rollout.extra_prompts=8", "train.tis=true",
-                            "grpo.refill=true"],
+    "grpo-partial-refill": ["algo=grpo", "rollout.max_staleness=1", "rollout.extra_prompts=8",
+                            "train.tis=true", "grpo.refill=true"],
     "grpo-partial-refill-2-ranks": ["algo=grpo", "rollout.max_staleness=1", "rollout.extra_prompts=8",
                                     "train.tis=true", "grpo.refill=true"],
 }

@@ -24,7 +24,7 @@ from nanoagent import rl  # noqa: E402
 from nanoagent.agent import Trajectory  # noqa: E402
 from bench.timing import median_time  # noqa: E402
 from nanoagent.batch import collate, micro_batches, pack, packed_layout  # noqa: E402
-from nanoagent.model import PACKED, policy_forward  # noqa: E402
+from nanoagent.model import PACKED, Policy, policy_forward  # noqa: E402
 from nanoagent.tiny import ensure_tiny_model  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -61,7 +61,7 @@ def update_time(model, batch):
 
 
 def main():
-    model = AutoModelForCausalLM.from_pretrained(ensure_tiny_model(), attn_implementation=PACKED)
+    model = Policy(AutoModelForCausalLM.from_pretrained(ensure_tiny_model(), attn_implementation=PACKED))
     model = model.to(DEVICE).train()
     vocab = model.config.vocab_size
     print(f"device: {DEVICE}, tiny model, {TRAJECTORIES} trajectories, prompt {PROMPT}, action {ACTION}, "

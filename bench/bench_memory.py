@@ -94,8 +94,8 @@ def logprob_peak(variant, rows, width):
         # the rows packed, every token but each row's first an action (the most logits there can be)
         if variant == "nanoagent":
             positions = torch.arange(ids.shape[1], device=device).repeat(ids.shape[0])[None]
-            logprobs = nanoagent_model.policy_forward(model, ids.flatten()[None], positions,
-                                                      positions > 0, 0.7)[0]
+            logprobs = nanoagent_model.policy_forward(nanoagent_model.Policy(model), ids.flatten()[None],
+                                                      positions, positions > 0, 0.7)[0]
         else:
             logprobs, _ = unfused_logprobs(model, ids, torch.ones_like(ids), 0.7)
         (-logprobs.sum()).backward()  # entropy_coef = 0: the entropy is only logged
@@ -298,9 +298,9 @@ def smollm2_peak(tokens, actions, checkpointing):
     'one' (each row's last). Gradients are allocated by a warm-up pass first: the figure is the
     micro-batch's own."""
     from nanoagent.smollm2 import ensure_smollm2
-    model = packed_lm(ensure_smollm2()).train()
+    model = nanoagent_model.Policy(packed_lm(ensure_smollm2())).train()
     if checkpointing:
-        model.gradient_checkpointing_enable()
+        model.model.gradient_checkpointing_enable()
 
     def step(n):
         torch.manual_seed(0)

@@ -7,7 +7,8 @@ Training speed (prints figures; asserts nothing).
     python bench/bench_train.py --packing       # CPU or GPU: the update's tokens/s, packed against padded,
                                                 #   in one process
     python bench/bench_train.py --packing --shape=qwen2.5-1.5b   # GPU: the same at Qwen2.5-1.5B's shape, bf16
-    python bench/bench_train.py --update-only   # GPU: update tokens/s and MFU, Qwen2.5-1.5B shape
+    python bench/bench_train.py --update-only   # GPU: update tokens/s and MFU, Qwen2.5-1.5B shape, each lever
+    python bench/bench_train.py --update-only --shape=tiny   # CPU: the same code on a small body (a dry run)
     python bench/bench_train.py --balance       # CPU: 2 ranks rolling out unevenly, with and without
                                                 #   train.balance_ranks
 
@@ -34,8 +35,11 @@ Training speed (prints figures; asserts nothing).
    phase's time and of rank_imbalance (the busiest rank's trainer tokens over the mean rank's),
    skipping the first step. The moves are made before the forward passes, in the rollout's time.
 4. Update only (GPU): a Qwen2.5-1.5B-shaped model with random weights, FSDP2 on one GPU, bf16
-   compute: forward + backward of the policy loss over packed micro-batches of random tokens;
-   tokens/s and MFU = 6 * params * tokens/s / peak bf16 FLOP/s (H100 SXM dense: 989e12).
+   compute: forward + backward of the policy loss over packed micro-batches of random tokens (8 rows
+   x 2,048, every token's logprob), then AdamW; tokens/s, MFU = 6 * params * tokens/s / peak bf16
+   FLOP/s (H100 and H200 SXM dense: 989e12) and peak memory, for each lever in turn in one process:
+   activation checkpointing of every layer, every other one or none, the layers' norms and MLPs
+   compiled (train.compile) or eager.
 """
 
 import argparse
@@ -126,8 +130,8 @@ def packing(shape, budget=8192):
 
     from bench.timing import median_time
     from nanoagent.batch import micro_batches, pack, packed_layout, pad_rows, shared_prompts
-    from nanoagent.logprobs import logprobs_and_entropy
-    from nanoagent.model import PACKED, policy_forward
+    from nanoagent.logprobs import head_logprobs
+    from nanoagent.model import PACKED, Policy, policy_forward
     from nanoagent.tiny import build_tiny_model
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -145,9 +149,11 @@ def packing(shape, budget=8192):
             ids = pad_rows([rows[i] for i in idx], 0).to(device)
             attention = pad_rows([[1] * len(rows[i]) for i in idx], 0).to(device)
             mask = pad_rows([masks[i] for i in idx], 0, torch.float32).to(device)
-            logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits  # [b, l, V]
-            logprobs, _ = logprobs_and_entropy(logits, ids.roll(-1, 1))
-            logprobs = torch.cat([logprobs.new_zeros(len(idx), 1), logprobs[:, :-1]], 1)
+            hidden = model.model(input_ids=ids, attention_mask=attention,
+                                 use_cache=False).last_hidden_state[:, :-1]                # [b, l - 1, H]
+            # the same fused LM head and logprob as the packed pass, here over every position
+            logprobs, _, _ = head_logprobs(hidden.flatten(0, 1), model.lm_head.weight, ids[:, 1:].flatten())
+            logprobs = torch.cat([logprobs.new_zeros(len(idx), 1), logprobs.view(len(idx), -1)], 1)
             (-(logprobs * mask).sum() / mask.sum()).backward()
         model.zero_grad(set_to_none=True)
 
@@ -169,12 +175,13 @@ def packing(shape, budget=8192):
                 packed = Qwen2ForCausalLM._from_config(Qwen2Config(**QWEN_1_5B), attn_implementation=PACKED,
                                                        dtype=torch.bfloat16)
             packed.load_state_dict(padded.state_dict())
-            yield "Qwen2.5-1.5B shape, bf16, vocab", padded.train(), packed.train(), 32
+            yield "Qwen2.5-1.5B shape, bf16, vocab", padded.train(), Policy(packed).train(), 32
             return
         for vocab, n_rows in (("tiny", 64), ("qwen", 16)):
             path = build_tiny_model(os.path.join(tmp, vocab), vocab=vocab)
             padded = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").to(device).train()
-            packed = AutoModelForCausalLM.from_pretrained(path, attn_implementation=PACKED).to(device).train()
+            packed = AutoModelForCausalLM.from_pretrained(path, attn_implementation=PACKED)
+            packed = Policy(packed).to(device).train()
             yield f"vocab {vocab}", padded, packed, n_rows
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -198,49 +205,74 @@ def packing(shape, budget=8192):
                       flush=True)
 
 
-def update_only(micro_tokens=16384, seq_len=2048, steps=5):
+def update_only(shape, steps=5):
+    """The update alone, each lever in turn in this process (a fresh model for each): activation
+    checkpointing of every layer, every other one (train.checkpoint_every=2) or none, the layers' norms
+    and MLPs compiled (train.compile) or not. The LM head
+    is always fused with the logprob (logprobs.head_logprobs). On a CPU, --shape=tiny runs the same
+    code on a small body as a dry run (no memory figures)."""
     import torch
     import torch.distributed as dist
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from nanoagent import rl
     from nanoagent.common import init_distributed
-    from nanoagent.model import PACKED, policy_forward, shard
+    from nanoagent.model import PACKED, Policy, policy_forward, shard
     _, world, device = init_distributed()
-    config = Qwen2Config(**QWEN_1_5B)
-    with torch.device(device):
-        model = Qwen2ForCausalLM._from_config(config, attn_implementation=PACKED)
-    n_params = sum(p.numel() for p in model.parameters())
-    model = shard(model, torch.bfloat16, activation_checkpointing=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    gpu = device.type == "cuda"
+    if shape == "qwen2.5-1.5b":
+        config, micro_tokens, seq_len = Qwen2Config(**QWEN_1_5B), 16384, 2048
+    else:  # Qwen's vocabulary on a small body
+        small = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=1)
+        config, micro_tokens, seq_len = Qwen2Config(**{**QWEN_1_5B, **small}), 1024, 256
     rows = micro_tokens // seq_len
     ids = torch.randint(0, config.vocab_size, (1, rows * seq_len), device=device)   # rows packed end to end
     positions = torch.arange(seq_len, device=device).repeat(rows)[None]
     mask = (positions > 0).float()  # every token an action but each row's first: the LM head on all of them
-    times = []
-    for step in range(steps + 1):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        logprobs = policy_forward(model, ids, positions, mask > 0)[0]
-        loss, _ = rl.ppo_policy_loss(logprobs, logprobs.detach(), torch.randn_like(mask), mask)
-        (rl.aggregate_loss(loss, mask, "token_mean", mask.sum(), rows) * world).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        if step:
-            times.append(time.perf_counter() - t)
-    sec = statistics.median(times)
-    # fp32 weight, grad, Adam m and v
-    state_bytes = sum(p.to_local().numel() * p.element_size() * 4 for p in model.parameters())
-    tps = rows * seq_len / sec
-    peak = torch.cuda.max_memory_allocated()
-    print(f"update, Qwen2.5-1.5B shape ({n_params / 1e9:.2f}B params), {rows}x{seq_len} tokens per step, "
-          f"{world} GPU(s), bf16 + activation checkpointing: {sec:.3f}s/step, {tps:,.0f} tokens/s per GPU, "
-          f"MFU {6 * n_params * tps / 989e12:.1%} "
-          f"(6 x params x tokens/s over the H100 SXM dense bf16 peak of 989 TFLOP/s, "
-          f"the recompute not counted), peak memory {peak / 2**30:.1f} GiB "
-          f"({(peak - state_bytes) / (rows * seq_len) / 2**10:.0f} KiB per micro-batch token "
-          f"beyond the {state_bytes / 2**30:.1f} GiB of weights, gradients and optimizer state)")
+    for checkpointing, compile_layers in ((1, False), (1, True), (2, True), (0, False), (0, True)):
+        lever = (f"activation checkpointing {('off', 'every layer', 'every other layer')[checkpointing]}, "
+                 f"{'compiled' if compile_layers else 'eager'} norms and MLP")
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Policy(Qwen2ForCausalLM._from_config(config, attn_implementation=PACKED))
+        n_params = sum(p.numel() for p in model.parameters())
+        model = shard(model, torch.bfloat16, checkpointing, compile_layers)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        if gpu:
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        try:
+            for step in range(steps + 1):  # the first step warms up (and compiles)
+                torch.accelerator.synchronize() if gpu else None
+                t = time.perf_counter()
+                logprobs = policy_forward(model, ids, positions, mask > 0)[0]
+                loss, _ = rl.ppo_policy_loss(logprobs, logprobs.detach(), torch.randn_like(mask), mask)
+                (rl.aggregate_loss(loss, mask, "token_mean", mask.sum(), rows) * world).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                torch.accelerator.synchronize() if gpu else None
+                if step:
+                    times.append(time.perf_counter() - t)
+        except torch.OutOfMemoryError:
+            print(f"update, {lever}: out of memory", flush=True)
+        else:
+            sec = statistics.median(times)
+            # fp32 weight, grad, Adam m and v
+            state_bytes = sum(p.to_local().numel() * p.element_size() * 4 for p in model.parameters())
+            tps = rows * seq_len / sec
+            peak = torch.cuda.max_memory_allocated() if gpu else float("nan")
+            print(f"update, {shape} shape ({n_params / 1e9:.2f}B params), {rows}x{seq_len} tokens per step, "
+                  f"{world} {'GPU' if gpu else 'CPU rank'}(s), bf16, {lever}: {sec:.3f}s/step, "
+                  f"{tps:,.0f} tokens/s per GPU, MFU {6 * n_params * tps / 989e12:.1%} "
+                  f"(6 x params x tokens/s over the H100/H200 SXM dense bf16 peak of 989 TFLOP/s, "
+                  f"recompute not counted), peak memory {peak / 2**30:.1f} GiB "
+                  f"({(peak - state_bytes) / (rows * seq_len) / 2**10:.0f} KiB per micro-batch token "
+                  f"beyond the {state_bytes / 2**30:.1f} GiB of weights, gradients and optimizer state)",
+                  flush=True)
+        del model, opt
+        if gpu:
+            torch.cuda.empty_cache()
     dist.destroy_process_group()
 
 
@@ -262,17 +294,18 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--update-only", action="store_true")
     parser.add_argument("--packing", action="store_true")
-    parser.add_argument("--shape", choices=["tiny", "qwen2.5-1.5b"], default="tiny",
-                        help="--packing: the model's shape")
+    parser.add_argument("--shape", choices=["tiny", "qwen2.5-1.5b"], default=None,
+                        help="the model's shape: --packing (default tiny), --update-only "
+                             "(default qwen2.5-1.5b)")
     parser.add_argument("--balance", action="store_true")
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
     if args.update_only:
-        update_only()
+        update_only(args.shape or "qwen2.5-1.5b", args.steps)
     elif args.balance:
         balance(args.steps)
     elif args.packing:
-        packing(args.shape)
+        packing(args.shape or "tiny")
     else:
         for algo, credit, context in (("grpo", "token", "full"), ("grpo", "token", "last_k"),
                                       ("ppo", "token", "full"), ("ppo", "step", "full"),

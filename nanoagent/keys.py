@@ -171,6 +171,12 @@ class TrainConfig:
         "bfloat16", "compute dtype of policy, critic and reference (fp32 master weights and gradient "
         "reduction); the same on CPU and GPU")
     activation_checkpointing: bool = opt(True, "recompute activations in the backward pass")
+    checkpoint_every: int = opt(
+        1, "with activation_checkpointing: recompute every k-th decoder layer only (1: all; 2: every other "
+        "one, half the recompute for half the memory saved)", low=1)
+    compile: bool = opt(
+        False, "torch.compile each decoder layer's norms and MLP (policy and critic; dynamic shapes, the "
+        "attention eager); the same on CPU and GPU, where it fuses their element-wise kernels")
     save_every: int = opt(50, "checkpoint every N steps (0: only at the end and on SIGTERM)", low=0)
     keep_last: int = opt(
         2, "complete checkpoints kept in run_dir (0: all); older ones are deleted once a new one is complete",

@@ -1,11 +1,12 @@
 """
-Per-token logprobs from logits, shared by the trainer's forward passes (model.py) and the rollout
-engines (engine.py), so that both compute the same numbers: the logprob and entropy kernel that
-never holds a second tokens x vocabulary tensor, and the top_p nucleus (vLLM's rule) that the
-engines sample from and the trainer renormalises over to compare with them.
+Per-token logprobs, shared by the trainer's forward passes (model.py) and the rollout engines
+(engine.py), so that both compute the same numbers: the top_p nucleus (vLLM's rule) that the engines
+sample from and the trainer renormalises over to compare with them, and the trainer's LM head fused
+with the logprob and entropy, which never makes the tokens x vocabulary logits.
 """
 
 import torch
+import torch.nn.functional as F
 
 
 # -----------------------------------------------------------------------------
@@ -24,89 +25,94 @@ def nucleus_mask(probs, top_p):
     return ~torch.zeros_like(dropped).scatter_(-1, order, dropped)
 
 
-@torch.no_grad()
-def nucleus_logprobs(logits, labels, temperature, top_p, chunk_size=None):
-    """
-    Per-token logprob of `labels` under softmax(logits / temperature) restricted to its top_p
-    nucleus and renormalised: the distribution the engine sampled from, whose logprobs it reports
-    (vLLM's processed logprobs cannot be had before the nucleus). logits: [..., V], labels: [...];
-    returns fp32 [...]. The importance ratio of truncated IS keeps the full softmax on the trainer's
-    side (the policy trained) over this behaviour distribution; this function is for comparing the
-    engine with the trainer like with like (engine_logprob_diff). A label just outside the trainer's
-    nucleus (the engine rounded the boundary the other way) gets its renormalised logprob all the
-    same: a small gap, not an infinite one. chunk_size: rows per fp32 chunk (a sort is two copies).
-    """
-    shape, V = labels.shape, logits.shape[-1]
-    logits, labels = logits.reshape(-1, V), labels.reshape(-1)
-    chunk_size = chunk_size or max(1, 2 ** 23 // V)
-    out = torch.empty(labels.shape, dtype=torch.float32, device=logits.device)
-    for s in range(0, len(labels), chunk_size):
-        logprobs = torch.log_softmax(logits[s:s + chunk_size].float() / temperature, -1)   # [n, V]
-        kept = nucleus_mask(logprobs.exp(), top_p)
-        log_mass = torch.logsumexp(logprobs.masked_fill(~kept, -torch.inf), -1)           # [n]
-        out[s:s + chunk_size] = logprobs.gather(-1, labels[s:s + chunk_size, None]).squeeze(-1) - log_mass
-    return out.view(shape)
-
-
 # -----------------------------------------------------------------------------
-# logprobs and entropy from logits, without a second tokens x vocabulary tensor
+# the LM head fused with the logprob and entropy: the tokens x vocabulary logits never exist
 
-class _LogprobEntropy(torch.autograd.Function):
+def nucleus_of_logprobs(logprobs, labels, top_p):
     """
-    Logprob of the label and entropy of softmax(logits / temperature), per row of logits [N, V]
-    in any dtype. Works through the rows in chunks, in fp32, with two chunk-sized temporaries;
-    the backward recomputes the softmax per chunk instead of saving it, and writes the gradient
-    over the saved logits (nothing needs them after this backward), so no second [N, V] tensor
-    exists at any time: with Qwen's vocabulary a [16k, 151936] bf16 copy is 5 GB.
-    A gradient that does not reach an output (entropy, when it is only logged) is not computed.
+    The logprob of each label [n] under the distribution logprobs [n, V] (fp32) restricted to its
+    top_p nucleus and renormalised: the distribution the engine sampled from, whose logprobs it reports
+    (vLLM's processed logprobs cannot be had before the nucleus). The importance ratio of truncated IS
+    keeps the full softmax on the trainer's side (the policy trained); this is for comparing the engine
+    with the trainer like with like (engine_logprob_diff). A label just outside the trainer's nucleus
+    (the engine rounded the boundary the other way) gets its renormalised logprob all the same: a
+    small gap, not an infinite one.
+    """
+    kept = nucleus_mask(logprobs.exp(), top_p)
+    log_mass = torch.logsumexp(logprobs.masked_fill(~kept, -torch.inf), -1)                # [n]
+    return logprobs.gather(-1, labels[:, None]).squeeze(-1) - log_mass
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """
+    hidden [N, H] (the states that predict the labels) and the LM head's weight [V, H] -> the logprob
+    of each label [N] and the entropy [N] of softmax(hidden @ weight.T / temperature), in fp32, and
+    (without grad) the label's logprob renormalised over the top_p nucleus. The [N, V] logits never
+    exist: with Qwen's vocabulary, 16k tokens' logits are 5 GB in bf16 and their fp32 softmax 10 GB.
+    The forward computes them a chunk of rows at a time ([n, V] in fp32) and keeps only each row's
+    logsumexp and entropy. The backward recomputes them a chunk of vocabulary columns at a time
+    ([N, c] in fp32): a chunk's logit gradient gives its rows of the weight's gradient whole, in one
+    matmul over all N tokens, as the LM head's own backward would, and adds its share to the hidden
+    states' gradient ([N, H], summed over the chunks in fp32). The price is the LM head's matmul once
+    more in the backward.
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, temperature, chunk_size):
-        N = logits.shape[0]
-        logprobs = logits.new_empty(N, dtype=torch.float32)
-        entropy = logits.new_empty(N, dtype=torch.float32)
-        lse = logits.new_empty(N, dtype=torch.float32)
-        for s in range(0, N, chunk_size):
-            sl = slice(s, s + chunk_size)
-            z = logits[sl].to(torch.float32, copy=True).div_(temperature)  # [n, V]
+    def forward(ctx, hidden, weight, labels, temperature, top_p, chunk_elements):
+        N, V = hidden.shape[0], weight.shape[0]
+        logprobs, entropy, lse, nucleus = (hidden.new_empty(N, dtype=torch.float32) for _ in range(4))
+        rows = max(1, chunk_elements // V)
+        for s in range(0, N, rows):
+            sl = slice(s, s + rows)
+            z = F.linear(hidden[sl], weight).float().div_(temperature)                     # [n, V]
             lse[sl] = torch.logsumexp(z, dim=-1)
             logprobs[sl] = z.gather(1, labels[sl, None]).squeeze(1) - lse[sl]
+            if top_p < 1.0:
+                nucleus[sl] = nucleus_of_logprobs(z - lse[sl, None], labels[sl], top_p)
             p = (z - lse[sl, None]).exp_()
             entropy[sl] = lse[sl] - (p.unsqueeze(1) @ z.unsqueeze(2)).view(-1)  # H = lse - E_p[z]
-        ctx.save_for_backward(logits, labels, lse, entropy)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        if top_p >= 1.0:
+            nucleus.copy_(logprobs)
+        ctx.save_for_backward(hidden, weight, labels, lse, entropy)
+        ctx.temperature, ctx.chunk_elements = temperature, chunk_elements
+        ctx.mark_non_differentiable(nucleus)
         ctx.set_materialize_grads(False)
-        return logprobs, entropy
+        return logprobs, entropy, nucleus
 
     @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy):
-        logits, labels, lse, entropy = ctx.saved_tensors
-        for s in range(0, logits.shape[0], ctx.chunk_size):
-            sl = slice(s, s + ctx.chunk_size)
-            z = logits[sl].to(torch.float32, copy=True).div_(ctx.temperature)  # [n, V]
-            p = (z - lse[sl, None]).exp_()
-            # with z = logits / T: d logp(y)/dz = onehot(y) - p ;  dH/dz = -p * (z - E_p[z]), E_p[z] = lse - H
+    def backward(ctx, grad_logprobs, grad_entropy, _):
+        hidden, weight, labels, lse, entropy = ctx.saved_tensors
+        (N, H), V, T = hidden.shape, weight.shape[0], ctx.temperature
+        mean_z = (lse - entropy)[:, None]                                                  # E_p[z] [N, 1]
+        grad_hidden = hidden.new_zeros(N, H, dtype=torch.float32)
+        grad_weight = torch.empty_like(weight)
+        columns = max(1, ctx.chunk_elements // max(N, 1))
+        for v in range(0, V, columns):
+            w = weight[v:v + columns]                                                      # [c, H]
+            z = F.linear(hidden, w).float().div_(T)                                        # [N, c]
+            p = (z - lse[:, None]).exp_()
+            # with z = logits / T: d logp(y)/dz = onehot(y) - p ;  dH/dz = -p * (z - E_p[z])
             if grad_entropy is None:
                 grad = z.zero_()
             else:
-                grad = z.sub_((lse[sl] - entropy[sl])[:, None]).mul_(p).mul_(-grad_entropy[sl, None])
+                grad = z.sub_(mean_z).mul_(p).mul_(-grad_entropy[:, None])
             if grad_logprobs is not None:
-                grad.sub_(p.mul_(grad_logprobs[sl, None]))
-                grad.scatter_add_(1, labels[sl, None], grad_logprobs[sl, None])
-            logits[sl] = grad.div_(ctx.temperature)
-        return logits, None, None, None
+                grad.sub_(p.mul_(grad_logprobs[:, None]))
+                here = (labels >= v) & (labels < v + len(w))   # the labels in this chunk; no host sync
+                grad.scatter_add_(1, (labels - v).clamp(0, len(w) - 1)[:, None],
+                                  torch.where(here, grad_logprobs, 0.0)[:, None])
+            grad = grad.div_(T).to(hidden.dtype)                                           # d/d logits [N, c]
+            grad_hidden += grad @ w
+            grad_weight[v:v + columns] = grad.T @ hidden
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None
 
 
-def logprobs_and_entropy(logits, labels, temperature=1.0, chunk_size=None):
+def head_logprobs(hidden, weight, labels, temperature=1.0, top_p=1.0, chunk_elements=2 ** 25):
     """
-    Per-token logprob of `labels` and entropy of softmax(logits / temperature). logits: [..., V],
-    labels: [...] int. Returns two fp32 tensors of shape [...], differentiable. The logits are
-    consumed: the backward overwrites them with their gradient. chunk_size: rows per fp32 chunk;
-    default ~32M elements (128 MiB in fp32) per chunk.
+    The LM head (weight [V, H], no bias) on the states hidden [N, H] that predict labels [N], fused
+    with the logprob and entropy: (logprobs, entropy, nucleus), fp32 [N] each; logprobs and entropy
+    differentiable in hidden and weight, nucleus (the logprobs renormalised over the top_p nucleus,
+    for comparing with the engine; the logprobs themselves when top_p = 1) not. chunk_elements: the
+    fp32 logits computed at a time (2**25: 128 MiB).
     """
-    shape, V = labels.shape, logits.shape[-1]
-    chunk_size = chunk_size or max(1, 2 ** 25 // V)
-    logprobs, entropy = _LogprobEntropy.apply(logits.reshape(-1, V), labels.reshape(-1), temperature,
-                                              chunk_size)
-    return logprobs.view(shape), entropy.view(shape)
+    return _HeadLogprobs.apply(hidden, weight, labels, temperature, top_p, chunk_elements)

@@ -1,7 +1,8 @@
 """
 The trainer's models, how they are loaded and sharded, and their forward passes over trajectories:
-the policy (a Hugging Face causal LM), the critic (the same backbone plus a scalar value head, its own
-weights) and the reference (a frozen copy of the initial policy, only with a KL term).
+the policy (a Hugging Face causal LM, its LM head fused with the logprob), the critic (the same
+backbone plus a scalar value head, its own weights) and the reference (a frozen copy of the initial
+policy, only with a KL term).
 
 Loading at scale: a 7B model in fp32 is 30 GB, and eight ranks each building one on the host is 240 GB.
 So every model is built on the meta device, sharded with FSDP2, allocated shard by shard, and filled by
@@ -21,10 +22,10 @@ padding; packed_attention, plugged into transformers' attention interface, keeps
 row with one scaled_dot_product_attention call per bucket of rows of about the same length (flash on a
 GPU where no mask is needed, no T x T mask anywhere). Rows that begin with the same prompt (a GRPO
 group's samples) share one copy of it, each attending to the prompt and to itself (a tree), so the
-prompt's forward and backward are paid once, not G times. Logits only where a logprob is used: the LM
-head, log-softmax and entropy run only at the positions whose next token is an action (a 152k
-vocabulary on Qwen2.5: tool results and prompts are most of a row), the value head only where a value
-is read.
+prompt's forward and backward are paid once, not G times. The LM head runs only at the positions
+whose next token is an action (a 152k vocabulary on Qwen2.5: tool results and prompts are most of a
+row), fused with the log-softmax and entropy a chunk at a time, so that no tokens x vocabulary logits
+tensor is ever made (Policy); the value head runs only where a value is read.
 """
 
 import os
@@ -39,7 +40,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
 from nanoagent.batch import micro_steps, unpack
-from nanoagent.logprobs import logprobs_and_entropy, nucleus_logprobs
+from nanoagent.logprobs import head_logprobs
 
 # the trainer's attention implementation (packed_attention), by its name in transformers
 PACKED = "nanoagent_packed"
@@ -126,6 +127,30 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
 AttentionInterface.register(PACKED, packed_attention)
 
 
+class Policy(nn.Module):
+    """
+    The causal LM as the trainer computes it: its backbone, then its LM head fused with the logprob and
+    entropy (logprobs.head_logprobs), so that the logits of a micro-batch's action tokens ([N, V], 5 GB
+    in bf16 for 16k tokens of Qwen's vocabulary) are never made. It holds the LM's own modules under the
+    LM's own names (model.*, lm_head.*): its state dict, checkpoints, the weight push and the export
+    are the LM's. An LM head with a bias is refused (Qwen2 and Llama have none).
+    """
+
+    def __init__(self, lm):
+        super().__init__()
+        if lm.lm_head.bias is not None:
+            raise ValueError("Policy: the LM head has a bias; head_logprobs computes hidden @ weight.T only")
+        self.model, self.lm_head, self.config = lm.model, lm.lm_head, lm.config
+        self.generation_config = lm.generation_config
+
+    def forward(self, input_ids, position_ids, at, labels, temperature=1.0, top_p=1.0):
+        """(logprobs, entropy, nucleus) [N] fp32 of labels [N] predicted at the positions `at` ([N]) of
+        a packed sequence [1, T] (logprobs.head_logprobs)."""
+        hidden = self.model(input_ids=input_ids, position_ids=position_ids, plan=attention_plan(position_ids),
+                            use_cache=False).last_hidden_state                              # [1, T, H]
+        return head_logprobs(hidden[0, at], self.lm_head.weight, labels, temperature, top_p)  # [N] x 3
+
+
 class Critic(nn.Module):
     """Backbone of the pretrained LM (without its LM head) + a linear value head, zero-initialised
     so the first values are 0 and the first advantages are the plain returns."""
@@ -168,13 +193,17 @@ def read_weights(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype="auto").state_dict()
 
 
+def backbone(model):
+    """The transformer (embeddings, blocks, final norm) of a Policy or of a Critic."""
+    return model.backbone if isinstance(model, Critic) else model.model
+
+
 def decoder_layers(model):
-    """The list of transformer blocks of a Hugging Face causal LM or of a Critic."""
-    backbone = model.backbone if isinstance(model, Critic) else model.model
-    return backbone.layers
+    """The list of transformer blocks of a Policy or of a Critic."""
+    return backbone(model).layers
 
 
-def shard(model, compute_dtype=torch.float32, activation_checkpointing=False):
+def shard(model, compute_dtype=torch.float32, activation_checkpointing=False, compile_layers=False):
     """
     FSDP2: shard each decoder layer and the root over the default process group (parameters,
     gradients and, once the optimizer is built on the sharded parameters, optimizer state).
@@ -182,12 +211,23 @@ def shard(model, compute_dtype=torch.float32, activation_checkpointing=False):
     FSDP averages the ranks' gradients; rl.aggregate_loss gives each rank its share of a global
     mean, whose gradients must be summed: scale the loss by the world size before backward
     (gloo has no pre-multiplied sum, so the divide factor of FSDP cannot be set to 1 on the CPU).
-    Returns the model in train mode.
+    activation_checkpointing: recompute every k-th decoder layer's activations in the backward pass
+    (True: every layer; 2: every other one, half the recompute for half the memory saved; 0: none).
+    compile_layers: regional torch.compile of each decoder layer's norms and MLP, with dynamic shapes
+    (packed micro-batches differ in length): eager PyTorch runs their element-wise work (RMSNorm,
+    SwiGLU, dtype casts) kernel by kernel, launch-bound on a GPU. Not the attention: its packing plan
+    (attention_plan) is host data whose structure changes from micro-batch to micro-batch, and a
+    compiled region that took it would be recompiled for each. Returns the model in train mode.
     """
-    if activation_checkpointing:  # recompute each layer's activations in the backward pass (non-reentrant)
-        (model.backbone if isinstance(model, Critic) else model).gradient_checkpointing_enable()
+    if activation_checkpointing:  # non-reentrant: transformers' checkpointing, layer by layer
+        backbone(model).gradient_checkpointing_enable()
+        for i, layer in enumerate(decoder_layers(model)):
+            layer.gradient_checkpointing = i % activation_checkpointing == 0
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in decoder_layers(model):
+        if compile_layers:
+            for part in (layer.input_layernorm, layer.mlp, layer.post_attention_layernorm):
+                part.compile(dynamic=True)
         fully_shard(layer, mp_policy=mp)
     if isinstance(model, Critic):
         fully_shard(model.value_head,
@@ -206,13 +246,14 @@ def empty_lm(config, dtype):
     return lm
 
 
-def build_sharded(model, weights, device, compute_dtype, activation_checkpointing=False):
+def build_sharded(model, weights, device, compute_dtype, activation_checkpointing=False,
+                  compile_layers=False):
     """
     An empty model (meta parameters, real buffers) sharded, allocated on the device shard by shard,
     and filled from rank 0's `weights` (a full state dict; {} on the other ranks) by broadcast.
     """
     buffers = {name: b.clone() for name, b in model.named_buffers()}
-    shard(model, compute_dtype, activation_checkpointing)
+    shard(model, compute_dtype, activation_checkpointing, compile_layers)
     model.to_empty(device=device)
     with torch.no_grad():
         for name, b in model.named_buffers():
@@ -223,25 +264,25 @@ def build_sharded(model, weights, device, compute_dtype, activation_checkpointin
     return model
 
 
-def build_policy(config, weights, device, compute_dtype, activation_checkpointing):
+def build_policy(config, weights, device, compute_dtype, activation_checkpointing, compile_layers=False):
     """The policy: fp32 master weights, computed in compute_dtype."""
-    return build_sharded(empty_lm(config, torch.float32), weights, device, compute_dtype,
-                         activation_checkpointing)
+    return build_sharded(Policy(empty_lm(config, torch.float32)), weights, device, compute_dtype,
+                         activation_checkpointing, compile_layers)
 
 
-def build_critic(config, weights, device, compute_dtype, activation_checkpointing):
+def build_critic(config, weights, device, compute_dtype, activation_checkpointing, compile_layers=False):
     """The critic: the LM's backbone weights (`model.*` -> `backbone.*`) and a zero value head."""
     critic = Critic(empty_lm(config, torch.float32))
     if weights:  # rank 0
         weights = {"backbone." + k[len("model."):]: v for k, v in weights.items() if k.startswith("model.")}
         weights.update({f"value_head.{k}": v for k, v in critic.value_head.state_dict().items()})
-    return build_sharded(critic, weights, device, compute_dtype, activation_checkpointing)
+    return build_sharded(critic, weights, device, compute_dtype, activation_checkpointing, compile_layers)
 
 
 def build_reference(config, weights, device, compute_dtype):
     """The frozen reference policy, stored in the compute dtype: it is never updated, so it needs
     no fp32 master copy."""
-    return build_sharded(empty_lm(config, compute_dtype), weights, device,
+    return build_sharded(Policy(empty_lm(config, compute_dtype)), weights, device,
                          compute_dtype).requires_grad_(False)
 
 
@@ -252,11 +293,10 @@ def build_models(cfg, model_path, warm_dir, device):
     model; on a fresh start with a warm start (warm_dir None) the warm start returns it."""
     compute_dtype = getattr(torch, cfg.train.dtype)
     config, weights = training_config(model_path), read_weights(model_path)
-    models = {"policy": build_policy(config, weights, device, compute_dtype,
-                                     cfg.train.activation_checkpointing)}
+    checkpointing = cfg.train.checkpoint_every if cfg.train.activation_checkpointing else 0
+    models = {"policy": build_policy(config, weights, device, compute_dtype, checkpointing, cfg.train.compile)}
     if cfg.algo == "ppo":
-        models["critic"] = build_critic(config, weights, device, compute_dtype,
-                                        cfg.train.activation_checkpointing)
+        models["critic"] = build_critic(config, weights, device, compute_dtype, checkpointing, cfg.train.compile)
     ref = None  # a fresh start's warm start returns its own, the warm-started policy (imitation.imitate)
     if warm_dir is not None and os.path.isdir(warm_dir):  # a resumed run that warm-started
         ref = load_reference(cfg, warm_dir, device)
@@ -321,30 +361,21 @@ def scatter(values, tokens, length):
     return values.new_zeros(length).index_copy(0, tokens, values)[None]
 
 
-def policy_forward(model, input_ids, position_ids, needed, temperature=1.0, top_p=None):
+def policy_forward(policy, input_ids, position_ids, needed, temperature=1.0, top_p=None):
     """
     Per-token logprobs and entropy of a packed micro-batch, on the tokens where needed is True
     (input_ids, position_ids, needed: [1, T]). Returns (logprobs, entropy, nucleus), [1, T] fp32,
     aligned with the ids, 0 where not needed; nucleus (without grad, only when top_p is given): the
-    same tokens' logprobs renormalised over the top_p nucleus (logprobs.nucleus_logprobs), the
-    distribution the engine sampled from and reports, for engine_logprob_diff to compare like with
-    like. The LM head runs on the states that predict a needed token only (logits_to_keep).
+    same tokens' logprobs renormalised over the top_p nucleus, the distribution the engine sampled
+    from and reports, for engine_logprob_diff to compare like with like. The LM head runs on the
+    states that predict a needed token only.
     """
     tokens, at = read_positions(position_ids, needed)                                           # [N], [N]
-    # squeeze, not [0]: a view, whose backward is a view too; [0]'s backward copies the logits' gradient
-    # into a new [1, N, V] tensor, a second one beside the logits that logprobs_and_entropy overwrites
-    logits = model(input_ids=input_ids, position_ids=position_ids, plan=attention_plan(position_ids),
-                   logits_to_keep=at, use_cache=False).logits.squeeze(0)                        # [N, V]
-    labels = input_ids[0, tokens]                                                               # [N]
-    chosen = None
-    if top_p is not None and top_p < 1.0:  # before logprobs_and_entropy, whose backward overwrites the logits
-        with torch.no_grad():
-            chosen = nucleus_logprobs(logits.detach(), labels, temperature, top_p)             # [N]
-    logprobs, entropy = logprobs_and_entropy(logits, labels, temperature)                       # [N]
+    logprobs, entropy, nucleus = policy(input_ids, position_ids, at, input_ids[0, tokens], temperature,
+                                        1.0 if top_p is None else top_p)                        # [N] x 3
     length = input_ids.shape[1]
-    nucleus = (None if top_p is None
-               else scatter((logprobs if chosen is None else chosen).detach(), tokens, length))
-    return scatter(logprobs, tokens, length), scatter(entropy, tokens, length), nucleus
+    return (scatter(logprobs, tokens, length), scatter(entropy, tokens, length),
+            None if top_p is None else scatter(nucleus, tokens, length))
 
 
 def old_policy_forward(model, input_ids, position_ids, needed, temperature=1.0, top_p=1.0):

@@ -68,7 +68,7 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = make_config("tiny", ["algo=grpo", f"train.micro_batch_tokens={args.micro_tokens}", "train.grad_clip=1e9"])
-    model = padded.load_causal_lm(args.model)
+    model = padded.load_policy(args.model)
     rows, masks, advantages = batch(model.config.vocab_size)
     data = {**padded.batch_of(rows, masks), "advantages": pad_rows(advantages, 0.0, torch.float32)}  # a row per trajectory
     zeros = torch.zeros_like(data["action_mask"])

@@ -8,8 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nanoagent.batch import pad_rows, shared_prompts
-from nanoagent.model import PACKED, Critic
-from nanoagent.logprobs import nucleus_logprobs
+from nanoagent.model import PACKED, Critic, Policy
+from nanoagent.logprobs import nucleus_mask
 
 
 def plain_lm(path):
@@ -23,9 +23,24 @@ def load_causal_lm(path, dtype=torch.float32):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=PACKED)
 
 
+def load_policy(path, dtype=torch.float32):
+    """The trainer's Policy over load_causal_lm's model, unsharded."""
+    return Policy(load_causal_lm(path, dtype))
+
+
 def shifted(per_position):
     """[B, L] results at the positions that predict token t+1 -> aligned with the ids (index 0 is 0)."""
     return torch.cat([per_position.new_zeros(per_position.shape[0], 1), per_position[:, :-1]], 1)
+
+
+def nucleus_logprobs(logits, labels, temperature, top_p):
+    """The logprob of each label under softmax(logits / temperature) restricted to its top_p nucleus and
+    renormalised (logits [..., V], labels [...] -> [...] fp32), over the whole tensor at once: the
+    reference for the trainer's, computed in chunks with the LM head (nanoagent.logprobs)."""
+    logprobs = torch.log_softmax(logits.float() / temperature, -1)                          # [..., V]
+    kept = nucleus_mask(logprobs.exp(), top_p)
+    log_mass = torch.logsumexp(logprobs.masked_fill(~kept, -torch.inf), -1)
+    return logprobs.gather(-1, labels[..., None]).squeeze(-1) - log_mass
 
 
 def logprobs(model, rows, temperature=1.0, top_p=1.0):

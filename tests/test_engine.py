@@ -19,10 +19,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import AutoTokenizer
 
-from padded import load_causal_lm
+from padded import load_causal_lm, nucleus_logprobs
 from nanoagent.engine import MAX_NUM_SEQS, HFEngine, SamplingConfig, VLLMEngine, cpu_kv_cache_bytes, stop_token_ids
-from nanoagent.model import policy_forward
-from nanoagent.logprobs import nucleus_logprobs
+from nanoagent.model import Policy, policy_forward
 
 # logits x 7: the random tiny model's next-token distributions go from near uniform to peaked like a
 # trained model's (entropy ~2 nats at T=1, ~5 at T=1.5), so a wrong temperature or filter shows.
@@ -87,7 +86,7 @@ def trainer_view(model, prompts, gens, temperature):
     rows = [p + g.token_ids for p, g in zip(prompts, gens)]
     ids, positions = torch.tensor([sum(rows, [])]), torch.tensor([[t for r in rows for t in range(len(r))]])   # [1, T]
     sampled = torch.tensor([[t >= len(p) for p, r in zip(prompts, rows) for t in range(len(r))]])
-    logprobs, entropy, _ = policy_forward(model, ids, positions, sampled, temperature)                  # [1, T]
+    logprobs, entropy, _ = policy_forward(Policy(model), ids, positions, sampled, temperature)   # [1, T]
     logits = model(input_ids=ids, position_ids=positions).logits[0]                                      # [T, V]
     out, start = [], 0
     for i, (p, g) in enumerate(zip(prompts, gens)):

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 from transformers import AutoTokenizer
 
 import procs
@@ -22,8 +23,8 @@ from nanoagent.batch import collate, shared_prompts, synced_micro_batches, token
 from nanoagent.config import make_config
 from nanoagent.data import fit_prompts, step_prompts
 from nanoagent.engine import pad_token_id
-from nanoagent.model import (build_critic, build_policy, build_reference, critic_forward, decoder_layers,
-                             policy_forward, read_weights, shard, training_config)
+from nanoagent.model import (Policy, build_critic, build_policy, build_reference, critic_forward,
+                             decoder_layers, policy_forward, read_weights, shard, training_config)
 from nanoagent.tasks import arithmetic, task_data
 from nanoagent.env import tool_env
 from nanoagent.tools import calculator_tool
@@ -97,27 +98,61 @@ def update_batch(tokenizer, n=6, context="full"):
     return batch
 
 
+@pytest.mark.skipif(os.environ.get("TORCH_COMPILE_DISABLE") == "1", reason="TORCH_COMPILE_DISABLE=1")
+def test_compiled_layers_compute_what_eager_ones_do_and_compile_once(process_group, tiny_model_dir):
+    """train.compile: the policy built with its layers' norms and MLPs compiled (dynamic shapes) gives
+    the eager policy's logprobs, entropies and gradients in fp32 to rounding, through FSDP2 and
+    activation checkpointing; micro-batches of other lengths and other packing plans run what was
+    compiled for the first, without compiling again."""
+    config, weights = training_config(tiny_model_dir), read_weights(tiny_model_dir)
+    counters.clear()
+    eager = build_policy(config, weights, CPU, torch.float32, True)
+    compiled = build_policy(config, weights, CPU, torch.float32, True, compile_layers=True)
+
+    def step(model, length):
+        g = torch.Generator().manual_seed(length)
+        ids = torch.randint(3, config.vocab_size, (1, length), generator=g)
+        positions = (torch.arange(length) % (7 + length % 31))[None]   # rows of other lengths: other plans
+        logprobs, entropy, _ = policy_forward(model, ids, positions, positions > 0)
+        (logprobs.sum() + 0.1 * entropy.sum()).backward()
+        return logprobs.detach(), entropy.detach()
+
+    for i, length in enumerate((100, 173, 260, 411)):
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            for a, b in zip(step(compiled, length), step(eager, length)):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    grads = {name: p.grad.full_tensor() for name, p in eager.named_parameters()}
+    for name, p in compiled.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), grads[name], atol=1e-4, rtol=1e-4, msg=name)
+    assert counters["stats"]["unique_graphs"] >= 2  # the norm's and the MLP's, shared by the layers
+
+
 @pytest.mark.parametrize("made_by", ["build_policy", "from_pretrained"])
-@pytest.mark.parametrize("checkpointing, forwards_per_micro_batch", [(True, 2), (False, 1)])
-def test_activation_checkpointing_recomputes_every_layer(process_group, tiny_model_dir, made_by, checkpointing, forwards_per_micro_batch):
-    """With activation checkpointing each decoder layer runs again in the backward pass: its
-    forward pre-hook fires twice per micro-batch of an update (models come in train mode). (A
-    post-hook would not: the recompute stops as soon as it has rebuilt what the backward needs.)"""
+@pytest.mark.parametrize("checkpointing", [True, 2, False])
+def test_activation_checkpointing_recomputes_every_layer(process_group, tiny_model_dir, made_by, checkpointing):
+    """With activation checkpointing each decoder layer runs again in the backward pass, or every k-th one
+    with train.checkpoint_every=k: its forward pre-hook fires twice per micro-batch of an update (models
+    come in train mode). (A post-hook would not: the recompute stops as soon as it has rebuilt what the
+    backward needs.)"""
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     batch = update_batch(tok)
     cfg = make_config("tiny", ["train.micro_batch_tokens=200"])
     if made_by == "build_policy":
         policy = build_policy(training_config(tiny_model_dir), read_weights(tiny_model_dir), CPU, torch.float32, checkpointing)
     else:  # from_pretrained returns a model in eval mode, where transformers does not checkpoint
-        policy = shard(load_causal_lm(tiny_model_dir), torch.float32, checkpointing)
+        policy = shard(Policy(load_causal_lm(tiny_model_dir)), torch.float32, checkpointing)
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
     forwards = []
-    decoder_layers(policy)[0].register_forward_pre_hook(lambda *args: forwards.append(1))
+    for i, layer in enumerate(decoder_layers(policy)):
+        layer.register_forward_pre_hook(lambda *args, i=i: forwards.append(i))
     rows = list(range(len(batch["lengths"])))
     micro = len(synced_micro_batches(batch["lengths"], cfg.train.micro_batch_tokens, list(zip(batch["prompt"].tolist(), batch["prompt_length"].tolist()))))
     assert micro >= 2
     update.update_policy(policy, optimizer, batch, rows, False, cfg, 1, CPU)
-    assert len(forwards) == forwards_per_micro_batch * micro
+    layers = len(decoder_layers(policy))
+    recomputed = [i for i in range(layers) if checkpointing and i % checkpointing == 0]
+    assert layers >= 2 and [forwards.count(i) for i in range(layers)] == [
+        (2 if i in recomputed else 1) * micro for i in range(layers)]
 
 
 def test_trainer_forwards_build_no_kv_cache(process_group, tiny_model_dir):

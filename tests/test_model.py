@@ -15,9 +15,9 @@ from nanoagent.agent import run_agent
 from nanoagent.batch import micro_batches, micro_steps
 from nanoagent.engine import HFEngine, SamplingConfig, stop_token_ids
 from nanoagent.env import tool_env
-from nanoagent.model import (Critic, attention_plan, critic_forward, forward_all, old_policy_forward,
+from nanoagent.model import (Critic, Policy, attention_plan, critic_forward, forward_all, old_policy_forward,
                              policy_forward)
-from nanoagent.logprobs import logprobs_and_entropy
+from nanoagent.logprobs import head_logprobs
 from nanoagent.tools import calculator_tool
 
 CPU = torch.device("cpu")
@@ -60,7 +60,7 @@ def test_packed_passes_give_the_padded_rows_logprobs_values_and_gradients(tiny_m
     the rows of a shared prompt after one copy of it) give the padded computation's logprobs,
     entropy, nucleus logprobs and values on the action tokens, 0 elsewhere, and a loss over them the
     same gradient, to 1e-5."""
-    model, plain = padded.load_causal_lm(tiny_model_dir), padded.plain_lm(tiny_model_dir)
+    model, plain = padded.load_policy(tiny_model_dir), padded.plain_lm(tiny_model_dir)
     rows, masks = rows_of_many_lengths(model.config.vocab_size)
     batch = padded.batch_of(rows, masks)
     mask = batch["action_mask"]
@@ -92,7 +92,7 @@ def test_packed_passes_give_the_padded_rows_logprobs_values_and_gradients(tiny_m
 
 
 def test_a_needed_token_must_not_open_its_row(tiny_model_dir):
-    model = padded.load_causal_lm(tiny_model_dir)
+    model = padded.load_policy(tiny_model_dir)
     ids, positions = torch.tensor([[5, 9, 11, 7, 8]]), torch.tensor([[0, 1, 2, 0, 1]])
     with pytest.raises(ValueError, match="opens its row"):
         policy_forward(model, ids, positions, torch.tensor([[False, True, False, True, False]]))
@@ -102,28 +102,29 @@ def test_attention_is_planned_once_a_forward_over_one_packed_sequence(tiny_model
     """The rows' layout is read from the positions once a forward, not in every layer (on a GPU each
     read waits for the device), activation checkpointing's recompute included; a batch of several
     sequences is refused, not computed as if it were one."""
-    model = padded.load_causal_lm(tiny_model_dir).train()
-    model.gradient_checkpointing_enable()
+    lm = padded.load_causal_lm(tiny_model_dir).train()
+    lm.gradient_checkpointing_enable()
     plans = []
     monkeypatch.setattr(model_module, "attention_plan", lambda positions: plans.append(positions) or attention_plan(positions))
     ids, positions = torch.tensor([[5, 9, 11, 7, 8, 4]]), torch.tensor([[0, 1, 2, 0, 1, 2]])
-    policy_forward(model, ids, positions, positions > 0)[0].sum().backward()
-    assert len(plans) == 1 and model.config.num_hidden_layers > 1
+    policy_forward(Policy(lm), ids, positions, positions > 0)[0].sum().backward()
+    assert len(plans) == 1 and lm.config.num_hidden_layers > 1
     with pytest.raises(ValueError, match="one packed sequence"):
-        model(input_ids=ids.repeat(2, 1))
+        lm(input_ids=ids.repeat(2, 1))
 
 
-def test_the_policy_backward_makes_no_second_logits_tensor(tiny_model_dir, monkeypatch):
-    """The backward of policy_forward writes the logits' gradient over the logits (logprobs_and_entropy)
-    and passes it on without a copy: no tensor of N x V elements or more is made in it (N action tokens,
-    more than the hidden size, so the LM head's weight gradient is smaller; logprob chunks of 4 rows)."""
-    model = padded.load_causal_lm(tiny_model_dir).train()
-    monkeypatch.setattr(model_module, "logprobs_and_entropy", partial(logprobs_and_entropy, chunk_size=4))
+def test_the_policy_makes_no_logits_tensor_forward_or_backward(tiny_model_dir, monkeypatch):
+    """The LM head is fused with the logprob and entropy (logprobs.head_logprobs): neither the forward nor
+    the backward of policy_forward makes a tensor of N x V / 2 elements or more (N action tokens, more
+    than the hidden size, so the LM head's weight and its gradient are smaller; chunks of 4 x V logits).
+    It used to make the [N, V] logits, and before that a second copy of them in the backward."""
+    model = padded.load_policy(tiny_model_dir).train()
+    chunked = partial(head_logprobs, chunk_elements=4 * model.config.vocab_size)
+    monkeypatch.setattr(model_module, "head_logprobs", chunked)
     hidden, vocab = model.config.hidden_size, model.config.vocab_size
     positions = torch.arange(4 * hidden) % (2 * hidden)
     ids = torch.randint(0, vocab, (1, len(positions)), generator=torch.Generator().manual_seed(0))
     needed = positions[None] > 0
-    logprobs, entropy, _ = policy_forward(model, ids, positions[None], needed)
     tokens = int(needed.sum())
     sizes = []
 
@@ -138,8 +139,11 @@ def test_the_policy_backward_makes_no_second_logits_tensor(tiny_model_dir, monke
                          if t.untyped_storage().data_ptr() not in inputs)
             return out
     with Allocations():
-        (-logprobs.sum()).backward()
-    assert tokens > hidden and sizes and max(sizes) < tokens * vocab
+        logprobs, entropy, _ = policy_forward(model, ids, positions[None], needed)
+        forward_sizes = list(sizes)
+        (-logprobs.sum() + entropy.sum()).backward()
+    assert tokens > hidden and forward_sizes and len(sizes) > len(forward_sizes)
+    assert max(sizes) < tokens * vocab // 2, (max(sizes), tokens * vocab)
 
 
 def test_policy_forward_is_aligned_and_matches_rollout(tiny_model_dir):
@@ -148,7 +152,7 @@ def test_policy_forward_is_aligned_and_matches_rollout(tiny_model_dir):
     engine = HFEngine(tiny_model_dir, stop_token_ids(tok), tok.pad_token_id, dtype="float32", seed=1)
     samples = [{"id": i, "messages": [{"role": "user", "content": "What is " + "1+" * i + "1?"}]} for i in range(4)]
     trajs = run_agent(engine, env, samples, SamplingConfig(max_new_tokens=12, temperature=0.8), max_turns=2, max_context_tokens=512)
-    model = padded.load_causal_lm(tiny_model_dir)
+    model = padded.load_policy(tiny_model_dir)
     rows = [t.prompt_ids + t.response_ids for t in trajs]
     batch = padded.batch_of(rows, [[0] * len(t.prompt_ids) + t.action_mask for t in trajs])
     logprobs = forward_all(lambda *packed: policy_forward(model, *packed, 0.8)[0], batch,
@@ -181,7 +185,7 @@ def test_a_row_whose_positions_do_not_start_at_0_is_refused_where_it_is_read(tin
     """The packed forward reads a segment that starts at position p > 0 as a row's own tokens after the
     last shared prompt (attention_plan); a row that is no such continuation used to be read as one,
     silently (logprobs off by up to 3.5e-2). Refused in the plan, and where a batch's rows are packed."""
-    model = padded.load_causal_lm(tiny_model_dir)
+    model = padded.load_policy(tiny_model_dir)
     ids = torch.randint(3, model.config.vocab_size, (1, 12))
     # no prompt before it; a prompt of 3 tokens, not 7
     for positions in ([5, 6, 7, 8], [0, 1, 2, 7, 8, 9, 10, 11]):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanoagent import rl
-from nanoagent.logprobs import logprobs_and_entropy
+from nanoagent.logprobs import head_logprobs, nucleus_mask
 
 
 def textbook_gae(rewards, values, gamma, lam):
@@ -318,62 +318,75 @@ def test_masked_mean():
 
 # ----------------------------------------------------------------------------- logprobs and entropy
 
-def logprobs_entropy_grad(logits, labels, w_lp, w_h, temperature, chunk_size):
-    """(logprobs, entropy, d(sum w_lp*lp + w_h*h)/dlogits) from a fresh copy of the logits (the
-    function consumes its input: the backward writes the gradient over it)."""
-    x = logits.detach().clone().requires_grad_(True)
-    lp, h = logprobs_and_entropy(x, labels, temperature, chunk_size)
+def head_logprobs_grads(hidden, weight, labels, w_lp, w_h, temperature, top_p=1.0, chunk_elements=2 ** 25):
+    """(logprobs, entropy, nucleus, d/dhidden, d/dweight) of sum(w_lp * lp + w_h * h), head_logprobs."""
+    x, w = hidden.detach().clone().requires_grad_(True), weight.detach().clone().requires_grad_(True)
+    lp, h, nucleus = head_logprobs(x, w, labels, temperature, top_p, chunk_elements)
     loss = (lp * w_lp).sum() + (0 if w_h is None else (h * w_h).sum())
-    (grad,) = torch.autograd.grad(loss, x)
-    return lp.detach(), h.detach(), grad
+    grad_x, grad_w = torch.autograd.grad(loss, (x, w))
+    return lp.detach(), h.detach(), nucleus, grad_x, grad_w
+
+
+def head_reference(hidden, weight, labels, w_lp, w_h, temperature, top_p=1.0):
+    """The same written out plainly: the LM head's logits [N, V] in the weights' dtype (as the LM's own
+    head computes them), their fp32 log-softmax, autograd."""
+    x, w = hidden.detach().clone().requires_grad_(True), weight.detach().clone().requires_grad_(True)
+    logp_all = torch.log_softmax(torch.nn.functional.linear(x, w).float() / temperature, -1)   # [N, V]
+    lp = logp_all.gather(-1, labels[:, None]).squeeze(-1)
+    h = -(logp_all.exp() * logp_all).sum(-1)
+    kept = nucleus_mask(logp_all.exp(), top_p)
+    nucleus = lp - torch.logsumexp(logp_all.masked_fill(~kept, -torch.inf), -1)
+    grad_x, grad_w = torch.autograd.grad((lp * w_lp).sum() + (0 if w_h is None else (h * w_h).sum()), (x, w))
+    return lp.detach(), h.detach(), nucleus.detach(), grad_x, grad_w
+
+
+def head_inputs(N, H, V, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=g).to(dtype)
+    weight = (torch.randn(V, H, generator=g) * 0.5).to(dtype)
+    labels = torch.randint(0, V, (N,), generator=g)
+    return hidden, weight, labels, torch.randn(N, generator=g), torch.randn(N, generator=g)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprobs_and_entropy_match_autograd_reference(dtype, temperature):
-    g = torch.Generator().manual_seed(2)
-    logits = (torch.randn(2, 7, 50, generator=g) * 3).to(dtype)
-    labels = torch.randint(0, 50, (2, 7), generator=g)
-    w_lp, w_h = torch.randn(2, 7, generator=g), torch.randn(2, 7, generator=g)
-    lp, h, grad = logprobs_entropy_grad(logits, labels, w_lp, w_h, temperature, chunk_size=3)  # chunks that do not divide N
-
-    ref_logits = logits.float().requires_grad_(True)
-    logp_all = torch.log_softmax(ref_logits / temperature, -1)
-    ref_lp = logp_all.gather(-1, labels[..., None]).squeeze(-1)
-    ref_h = -(logp_all.exp() * logp_all).sum(-1)
-    (ref_grad,) = torch.autograd.grad((ref_lp * w_lp + ref_h * w_h).sum(), ref_logits)
-    assert lp.dtype == torch.float32 and grad.dtype == dtype
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])
+def test_head_logprobs_match_autograd_reference(dtype, temperature, top_p):
+    """The fused LM head + logprob + entropy gives the plain computation's values, nucleus logprobs and
+    gradients (hidden states and weight); chunks of rows and of columns that divide neither N nor V."""
+    hidden, weight, labels, w_lp, w_h = head_inputs(14, 16, 50, dtype, seed=2)
+    lp, h, nucleus, grad_x, grad_w = head_logprobs_grads(hidden, weight, labels, w_lp, w_h, temperature,
+                                                         top_p, chunk_elements=3 * 50 + 7)  # 3 rows, 11 cols
+    ref_lp, ref_h, ref_nucleus, ref_x, ref_w = head_reference(hidden, weight, labels, w_lp, w_h, temperature,
+                                                              top_p)
+    assert lp.dtype == h.dtype == nucleus.dtype == torch.float32 and grad_x.dtype == grad_w.dtype == dtype
+    assert not nucleus.requires_grad and (top_p < 1 or torch.equal(nucleus, lp))
     torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(h, ref_h, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(nucleus, ref_nucleus, atol=1e-5, rtol=1e-5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(grad.float(), ref_grad, atol=tol, rtol=tol)
+    torch.testing.assert_close(grad_x.float(), ref_x.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(grad_w.float(), ref_w.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_logprobs_and_entropy_chunks_change_nothing(dtype):
-    """Chunking is a memory device only: any chunk size gives bit-identical values and gradients."""
-    g = torch.Generator().manual_seed(4)
-    logits = (torch.randn(37, 300, generator=g) * 2).to(dtype)
-    labels = torch.randint(0, 300, (37,), generator=g)
-    w_lp, w_h = torch.randn(37, generator=g), torch.randn(37, generator=g)
-    whole = logprobs_entropy_grad(logits, labels, w_lp, w_h, 0.8, chunk_size=37)
-    for chunk_size in (1, 5, 16):
-        for a, b in zip(logprobs_entropy_grad(logits, labels, w_lp, w_h, 0.8, chunk_size), whole):
-            assert torch.equal(a, b), chunk_size
+def test_head_logprobs_chunks_change_nothing_but_rounding():
+    """Chunking is a memory device only: any chunk size gives the same values and gradients, in fp32
+    to the rounding of the sums whose order it changes (1e-5)."""
+    hidden, weight, labels, w_lp, w_h = head_inputs(37, 24, 300, torch.float32, seed=4)
+    whole = head_logprobs_grads(hidden, weight, labels, w_lp, w_h, 0.8, 0.9, chunk_elements=37 * 300)
+    for chunk_elements in (1, 5 * 300, 16 * 300 + 1):
+        chunked = head_logprobs_grads(hidden, weight, labels, w_lp, w_h, 0.8, 0.9, chunk_elements)
+        for a, b in zip(chunked, whole):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_entropy_gradient_only_when_used():
     """Without an entropy term in the loss (no gradient reaches the entropy output, and its
     backward is skipped), the gradient is that of the logprobs alone."""
-    g = torch.Generator().manual_seed(5)
-    logits = torch.randn(6, 40, generator=g)
-    labels = torch.randint(0, 40, (6,), generator=g)
-    w_lp = torch.randn(6, generator=g)
-    _, _, grad = logprobs_entropy_grad(logits, labels, w_lp, None, 1.0, chunk_size=4)
-    ref_logits = logits.clone().requires_grad_(True)
-    ref_lp = torch.log_softmax(ref_logits, -1).gather(-1, labels[:, None]).squeeze(-1)
-    (ref_grad,) = torch.autograd.grad((ref_lp * w_lp).sum(), ref_logits)
-    torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=1e-5)
+    hidden, weight, labels, w_lp, _ = head_inputs(6, 8, 40, torch.float32, seed=5)
+    *_, grad_x, grad_w = head_logprobs_grads(hidden, weight, labels, w_lp, None, 1.0, chunk_elements=4 * 40)
+    *_, ref_x, ref_w = head_reference(hidden, weight, labels, w_lp, None, 1.0)
+    torch.testing.assert_close(grad_x, ref_x, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(grad_w, ref_w, atol=1e-6, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- aggregation

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import procs
 import scripted
-from padded import load_causal_lm
+from padded import load_policy
 from nanoagent.agent import Rollouts, run_agent
 from nanoagent.batch import collate
 from nanoagent.engine import HFEngine, SamplingConfig, VLLMEngine, stop_token_ids
@@ -504,7 +504,7 @@ def test_trajectories_are_token_exact_under_qwens_vocabulary(tagging_qwen_dir, q
     assert {a[-1] if a[-1] in stop else "length" for _, a in turns} == set(stop) | {"length"}
 
     batch = collate(trajs, tok.pad_token_id)
-    model = load_causal_lm(tagging_qwen_dir)
+    model = load_policy(tagging_qwen_dir)
     logprobs = forward_all(lambda *packed: policy_forward(model, *packed, sampling.temperature)[0],
                            batch, list(range(len(trajs))), 100_000, torch.device("cpu"))
     mask = batch["action_mask"].bool()

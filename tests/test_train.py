@@ -43,7 +43,8 @@ def test_two_steps_push_export_in_bf16(algo, tmp_path):
     """What a GPU run does, on 2 CPU ranks: bf16 mixed precision (trainer and engine), activation
     checkpointing, models built on the meta device from rank 0's copy, a fresh model cache (the
     ranks build the tiny model at the same time). PPO runs with step-level credit (ppo.credit=step;
-    token-level PPO runs on 2 ranks in test_resume_gives_the_same_next_step)."""
+    token-level PPO runs on 2 ranks in test_resume_gives_the_same_next_step). GRPO with the layers' norms and
+    MLPs compiled (train.compile), as a GPU run would."""
     # a small token budget gives the ranks different numbers of micro-batches, which they must keep in step;
     # the scripted reward (1, 0, 1, 0 within each group) makes the rewards vary whatever this CPU's bf16 sampled;
     # a shorter warm start than QUICK's (a bf16 step is ~10x an fp32 one on a CPU without bf16 units) still makes some tool calls
@@ -51,7 +52,8 @@ def test_two_steps_push_export_in_bf16(algo, tmp_path):
                          "train.micro_batch_tokens=600", "train.dtype=bfloat16",
                          f"data.task={os.path.join(ROOT, 'tests', 'alternating_task.py')}",
                          "rollout.dtype=bfloat16", "train.activation_checkpointing=true",
-                         *(["train.kl_mode=loss", "train.overlong_filter=true"] if algo == "grpo" else ["train.kl_mode=reward", "ppo.credit=step"]),
+                         *(["train.kl_mode=loss", "train.overlong_filter=true", "train.compile=true"]
+                           if algo == "grpo" else ["train.kl_mode=reward", "ppo.credit=step"]),
                          env_cache=str(tmp_path / "cache"))
     steps = [m for m in metrics if m["step"] >= 1]
     assert [m["step"] for m in steps] == [1, 2] and all("reward" in m for m in steps)

@@ -322,7 +322,7 @@ def measure_tokens():
     print("4. the update's forward + backward, per micro-batch token: SmolLM2-135M (fp32, vocabulary "
           "49,152), packed rows of 256 tokens, peak resident set beyond the gradients; "
           "one fp32 logits row = 192 KiB")
-    shapes = (768, 1536)  # 765 and 1,530 action tokens: both past logprobs_and_entropy's chunk of 682 rows
+    shapes = (768, 1536)  # 765 and 1,530 action tokens: both past head_logprobs' chunk of 682 rows
     for checkpointing in (False, True):
         slopes = {}
         for actions in ("one", "all"):

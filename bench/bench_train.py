@@ -9,6 +9,8 @@ Training speed (prints figures; asserts nothing).
     python bench/bench_train.py --packing --shape=qwen2.5-1.5b   # GPU: the same at Qwen2.5-1.5B's shape, bf16
     python bench/bench_train.py --update-only   # GPU: update tokens/s and MFU, Qwen2.5-1.5B shape, each lever
     python bench/bench_train.py --update-only --shape=tiny   # CPU: the same code on a small body (a dry run)
+    python bench/bench_train.py --head          # CPU or GPU: the fused LM head + logprob against the
+                                                #   textbook way
     python bench/bench_train.py --balance       # CPU: 2 ranks rolling out unevenly, with and without
                                                 #   train.balance_ranks
 
@@ -276,6 +278,47 @@ def update_only(shape, steps=5):
     dist.destroy_process_group()
 
 
+def head(repeats=5):
+    """The LM head and the logprob and entropy of every row, forward + backward: fused
+    (logprobs.head_logprobs) against the textbook way (the [N, V] logits, their fp32 log-softmax,
+    autograd), taken in turn in this process; the median of each."""
+    import torch
+    import torch.nn.functional as F
+
+    from nanoagent.logprobs import head_logprobs
+    gpu = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
+
+    def textbook(hidden, weight, labels):
+        logp = torch.log_softmax(F.linear(hidden, weight).float(), -1)                    # [N, V]
+        return logp.gather(-1, labels[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+    def fused(hidden, weight, labels):
+        return head_logprobs(hidden, weight, labels)[:2]
+
+    shapes = [(16384, 1536, 151936)] if gpu else [(1024, 256, 652), (2048, 576, 49152), (1024, 1536, 151936)]
+    for N, H, V in shapes:
+        g = torch.Generator().manual_seed(0)
+        hidden = torch.randn(N, H, generator=g).to(device, dtype).requires_grad_(True)
+        weight = (torch.randn(V, H, generator=g) * 0.05).to(device, dtype).requires_grad_(True)
+        labels = torch.randint(0, V, (N,), generator=g).to(device)
+        times = {"textbook": [], "fused": []}
+        for _ in range(repeats + 1):
+            for name, fn in (("textbook", textbook), ("fused", fused)):
+                torch.accelerator.synchronize() if gpu else None
+                t = time.perf_counter()
+                logprobs, entropy = fn(hidden, weight, labels)
+                (logprobs.sum() + 0.1 * entropy.sum()).backward()
+                torch.accelerator.synchronize() if gpu else None
+                times[name].append(time.perf_counter() - t)
+                hidden.grad = weight.grad = None
+        before, after = (statistics.median(times[k][1:]) for k in ("textbook", "fused"))
+        print(f"LM head + logprob + entropy, forward + backward, N={N} tokens, H={H}, V={V}, {dtype}: "
+              f"textbook {before * 1000:.0f} ms, fused {after * 1000:.0f} ms "
+              f"({after / before:.2f}x the time)",
+              flush=True)
+
+
 def balance(steps, sittings=2):
     task = os.path.join(ROOT, "tests", "uneven_task.py")
     for sitting in range(sittings):
@@ -298,10 +341,13 @@ if __name__ == "__main__":
                         help="the model's shape: --packing (default tiny), --update-only "
                              "(default qwen2.5-1.5b)")
     parser.add_argument("--balance", action="store_true")
+    parser.add_argument("--head", action="store_true")
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
     if args.update_only:
         update_only(args.shape or "qwen2.5-1.5b", args.steps)
+    elif args.head:
+        head()
     elif args.balance:
         balance(args.steps)
     elif args.packing:

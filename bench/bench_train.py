@@ -52,7 +52,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
+from functools import partial
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -210,13 +210,14 @@ def packing(shape, budget=8192):
 def update_only(shape, steps=5):
     """The update alone, each lever in turn in this process (a fresh model for each): activation
     checkpointing of every layer, every other one (train.checkpoint_every=2) or none, the layers' norms
-    and MLPs compiled (train.compile) or not. The LM head
-    is always fused with the logprob (logprobs.head_logprobs). On a CPU, --shape=tiny runs the same
-    code on a small body as a dry run (no memory figures)."""
+    and MLPs compiled (train.compile) or not. The LM head is always fused with the logprob
+    (logprobs.head_logprobs). On a CPU, --shape=tiny runs the same code on a small body as a dry run
+    (no memory figures)."""
     import torch
     import torch.distributed as dist
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from bench.timing import median_time
     from nanoagent import rl
     from nanoagent.common import init_distributed
     from nanoagent.model import PACKED, Policy, policy_forward, shard
@@ -232,6 +233,14 @@ def update_only(shape, steps=5):
     ids = torch.randint(0, config.vocab_size, (1, rows * seq_len), device=device)   # rows packed end to end
     positions = torch.arange(seq_len, device=device).repeat(rows)[None]
     mask = (positions > 0).float()  # every token an action but each row's first: the LM head on all of them
+
+    def update_step(model, opt):
+        logprobs = policy_forward(model, ids, positions, mask > 0)[0]
+        loss, _ = rl.ppo_policy_loss(logprobs, logprobs.detach(), torch.randn_like(mask), mask)
+        (rl.aggregate_loss(loss, mask, "token_mean", mask.sum(), rows) * world).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
     for checkpointing, compile_layers in ((1, False), (1, True), (2, True), (0, False), (0, True)):
         lever = (f"activation checkpointing {('off', 'every layer', 'every other layer')[checkpointing]}, "
                  f"{'compiled' if compile_layers else 'eager'} norms and MLP")
@@ -243,23 +252,12 @@ def update_only(shape, steps=5):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
         if gpu:
             torch.cuda.reset_peak_memory_stats()
-        times = []
         try:
-            for step in range(steps + 1):  # the first step warms up (and compiles)
-                torch.accelerator.synchronize() if gpu else None
-                t = time.perf_counter()
-                logprobs = policy_forward(model, ids, positions, mask > 0)[0]
-                loss, _ = rl.ppo_policy_loss(logprobs, logprobs.detach(), torch.randn_like(mask), mask)
-                (rl.aggregate_loss(loss, mask, "token_mean", mask.sum(), rows) * world).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                torch.accelerator.synchronize() if gpu else None
-                if step:
-                    times.append(time.perf_counter() - t)
+            update_step(model, opt)  # warms up (and compiles)
+            sec = median_time(partial(update_step, model, opt), steps)
         except torch.OutOfMemoryError:
             print(f"update, {lever}: out of memory", flush=True)
         else:
-            sec = statistics.median(times)
             # fp32 weight, grad, Adam m and v
             state_bytes = sum(p.to_local().numel() * p.element_size() * 4 for p in model.parameters())
             tps = rows * seq_len / sec
@@ -285,6 +283,7 @@ def head(repeats=5):
     import torch
     import torch.nn.functional as F
 
+    from bench.timing import median_time
     from nanoagent.logprobs import head_logprobs
     gpu = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
@@ -296,23 +295,21 @@ def head(repeats=5):
     def fused(hidden, weight, labels):
         return head_logprobs(hidden, weight, labels)[:2]
 
+    def forward_backward(fn, hidden, weight, labels):
+        logprobs, entropy = fn(hidden, weight, labels)
+        (logprobs.sum() + 0.1 * entropy.sum()).backward()
+        hidden.grad = weight.grad = None
+
     shapes = [(16384, 1536, 151936)] if gpu else [(1024, 256, 652), (2048, 576, 49152), (1024, 1536, 151936)]
     for N, H, V in shapes:
         g = torch.Generator().manual_seed(0)
         hidden = torch.randn(N, H, generator=g).to(device, dtype).requires_grad_(True)
         weight = (torch.randn(V, H, generator=g) * 0.05).to(device, dtype).requires_grad_(True)
         labels = torch.randint(0, V, (N,), generator=g).to(device)
-        times = {"textbook": [], "fused": []}
-        for _ in range(repeats + 1):
-            for name, fn in (("textbook", textbook), ("fused", fused)):
-                torch.accelerator.synchronize() if gpu else None
-                t = time.perf_counter()
-                logprobs, entropy = fn(hidden, weight, labels)
-                (logprobs.sum() + 0.1 * entropy.sum()).backward()
-                torch.accelerator.synchronize() if gpu else None
-                times[name].append(time.perf_counter() - t)
-                hidden.grad = weight.grad = None
-        before, after = (statistics.median(times[k][1:]) for k in ("textbook", "fused"))
+        # in turn, so that the machine's load drifts over both alike; the first pair warms up
+        pairs = [[median_time(partial(forward_backward, fn, hidden, weight, labels), 1)
+                  for fn in (textbook, fused)] for _ in range(repeats + 1)][1:]
+        before, after = (statistics.median(times) for times in zip(*pairs))
         print(f"LM head + logprob + entropy, forward + backward, N={N} tokens, H={H}, V={V}, {dtype}: "
               f"textbook {before * 1000:.0f} ms, fused {after * 1000:.0f} ms "
               f"({after / before:.2f}x the time)",

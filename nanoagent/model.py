@@ -294,9 +294,11 @@ def build_models(cfg, model_path, warm_dir, device):
     compute_dtype = getattr(torch, cfg.train.dtype)
     config, weights = training_config(model_path), read_weights(model_path)
     checkpointing = cfg.train.checkpoint_every if cfg.train.activation_checkpointing else 0
-    models = {"policy": build_policy(config, weights, device, compute_dtype, checkpointing, cfg.train.compile)}
+    models = {"policy": build_policy(config, weights, device, compute_dtype, checkpointing,
+                                     cfg.train.compile)}
     if cfg.algo == "ppo":
-        models["critic"] = build_critic(config, weights, device, compute_dtype, checkpointing, cfg.train.compile)
+        models["critic"] = build_critic(config, weights, device, compute_dtype, checkpointing,
+                                        cfg.train.compile)
     ref = None  # a fresh start's warm start returns its own, the warm-started policy (imitation.imitate)
     if warm_dir is not None and os.path.isdir(warm_dir):  # a resumed run that warm-started
         ref = load_reference(cfg, warm_dir, device)

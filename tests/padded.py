@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from nanoagent.batch import pad_rows, shared_prompts
 from nanoagent.model import PACKED, Critic, Policy
-from nanoagent.logprobs import nucleus_mask
+from nanoagent.logprobs import nucleus_of_logprobs
 
 
 def plain_lm(path):
@@ -35,12 +35,11 @@ def shifted(per_position):
 
 def nucleus_logprobs(logits, labels, temperature, top_p):
     """The logprob of each label under softmax(logits / temperature) restricted to its top_p nucleus and
-    renormalised (logits [..., V], labels [...] -> [...] fp32), over the whole tensor at once: the
+    renormalised (logits [..., V], labels [...] -> [...] fp32), from the whole logits at once: the
     reference for the trainer's, computed in chunks with the LM head (nanoagent.logprobs)."""
     logprobs = torch.log_softmax(logits.float() / temperature, -1)                          # [..., V]
-    kept = nucleus_mask(logprobs.exp(), top_p)
-    log_mass = torch.logsumexp(logprobs.masked_fill(~kept, -torch.inf), -1)
-    return logprobs.gather(-1, labels[..., None]).squeeze(-1) - log_mass
+    V = logprobs.shape[-1]
+    return nucleus_of_logprobs(logprobs.reshape(-1, V), labels.reshape(-1), top_p).view(labels.shape)
 
 
 def logprobs(model, rows, temperature=1.0, top_p=1.0):

@@ -129,7 +129,8 @@ def test_compiled_layers_compute_what_eager_ones_do_and_compile_once(process_gro
 
 @pytest.mark.parametrize("made_by", ["build_policy", "from_pretrained"])
 @pytest.mark.parametrize("checkpointing", [True, 2, False])
-def test_activation_checkpointing_recomputes_every_layer(process_group, tiny_model_dir, made_by, checkpointing):
+def test_activation_checkpointing_recomputes_every_layer(process_group, tiny_model_dir, made_by,
+                                                         checkpointing):
     """With activation checkpointing each decoder layer runs again in the backward pass, or every k-th one
     with train.checkpoint_every=k: its forward pre-hook fires twice per micro-batch of an update (models
     come in train mode). (A post-hook would not: the recompute stops as soon as it has rebuilt what the

@@ -133,6 +133,10 @@ def gae_advantages(critic, data, rewards, cfg, device):
     or (ppo.credit=step) per turn, whitened over the action tokens or the steps of all ranks.
     """
     batch, mask = data.batch, data.batch["action_mask"]
+    if cfg.ppo.credit == "token" and len(batch["trajectory"].unique()) < len(batch["trajectory"]):
+        raise ConfigError("a trajectory came in several rows (its environment or flow gave a context that does "
+                          "not go on from the last one), and token-level GAE cannot carry a value across rows: "
+                          "set ppo.credit=step")
     values = forward_all(lambda *packed: critic_forward(critic, *packed), batch, data.kept,
                          cfg.train.micro_batch_tokens, device)
     if cfg.ppo.credit == "token":  # a value per action token

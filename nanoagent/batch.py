@@ -74,9 +74,9 @@ def collate(trajs, pad_id):
     """
     sequences, owner, steps = [], [], []
     for i, t in enumerate(trajs):
-        steps.append([])
-        for ids, mask, logprobs, spans, versions in t.sequences():
-            steps[-1] += [(len(sequences), s, e) for s, e in spans]
+        rows, places = t.assemble()
+        steps.append([(len(sequences) + row, s, e) for row, s, e in places])
+        for ids, mask, logprobs, _, versions in rows:
             sequences.append((ids, mask, logprobs, versions))
             owner.append(i)
     input_ids = pad_rows([ids for ids, *_ in sequences], pad_id)
@@ -123,7 +123,8 @@ def token_rewards(trajs, batch, tool_call_reward):
             calls = [c for c in t.tool_calls if c.turn == turn]
             succeeded = turn < len(steps) - 1 and calls and not any(c.error for c in calls)
             process[row, end - 1] += t.step_rewards[turn] + (tool_call_reward if succeeded else 0.0)
-        rewards[steps[-1][0], steps[-1][2] - 1] += t.reward  # (row, start, end) of the last turn
+        if steps:  # (row, start, end) of the last turn; a trajectory without one trains nothing (env_error)
+            rewards[steps[-1][0], steps[-1][2] - 1] += t.reward
     return rewards + process, process
 
 

@@ -161,10 +161,13 @@ def validate(cfg):
          or (cfg.algo == "ppo" and cfg.ppo.credit == "step" and cfg.ppo.whiten_advantages),
          "ppo.whiten_over=steps whitens step-level GAE advantages: it needs algo=ppo, ppo.credit=step and "
          "ppo.whiten_advantages=true")
-    need(not (cfg.algo == "ppo" and r.context == "last_k" and cfg.ppo.credit == "token"),
-         "rollout.context=last_k with algo=ppo needs ppo.credit=step: each turn is then a sequence of its "
-         "own, and token-level GAE cannot carry a turn's value across to the next turn's sequence; "
-         "step-level GAE links the turns")
+    need(not (cfg.algo == "ppo" and r.context != "full" and cfg.ppo.credit == "token"),
+         f"rollout.context={r.context} with algo=ppo needs ppo.credit=step: a turn whose context leaves "
+         "earlier turns out is a sequence of its own, and token-level GAE cannot carry a turn's value across "
+         "to the next turn's sequence; step-level GAE links the turns")
+    need(r.context != "summary" or r.summary_tokens < r.max_context_tokens,
+         f"rollout.summary_tokens ({r.summary_tokens}) must be below rollout.max_context_tokens "
+         f"({r.max_context_tokens}): the summary turn reads the context it summarises")
     need(cfg.ppo.ratio == "token" or cfg.train.loss_agg != "token_mean",
          f"ppo.ratio={cfg.ppo.ratio} with train.loss_agg=token_mean: GSPO's objective is a mean over "
          "sequences (or steps) of each one's clipped ratio times its advantage, every one weighed the same; "

@@ -5,11 +5,17 @@ An environment is made per trajectory and needs no base class, only two methods 
 AgentEnv, gym's reset/step):
 
     reset(row)   -> messages: the conversation the trajectory starts from, chat format (the system
-                    prompt and the task as the model first reads it; a tool task: row["messages"])
+                    prompt and the task as the model first reads it; a tool task: row["messages"]);
+                    or a context (below)
     step(action) -> (observation, reward, done, info), after the assistant turn whose text is
-                    `action` (decoded, stop tag included, EOS not):
-        observation  what the model reads next: a list of chat messages (a tool task: one "tool"
-                     message per call), or a string (one "user" message); not read when done
+                    `action` (decoded, stop tag included, EOS not; an Action, a str that also says
+                    how the engine ended the turn):
+        observation  what the model reads next, appended to what it read before: a list of chat
+                     messages (a tool task: one "tool" message per call), or a string (one "user"
+                     message); or, in place of that, the whole next context: a dict {"messages":
+                     [...], "tools": [schemas] (optional: the task's), "max_tokens": n (optional)},
+                     which the environment decides (history truncated, summarised, rewritten,
+                     augmented; a flow's next model call, flow.py); not read when done
         reward       a float for this step, put on the last token of the turn (like a process
                      reward); the task's score gives the outcome
         done         True when the episode is over (a tool task: the model answered without a call)
@@ -17,7 +23,11 @@ AgentEnv, gym's reset/step):
                      "read_to_end": False when the environment acted on a part of the action and
                      did not read its end (a game reads the first line): a turn cut by the token
                      budget after that part was judged whole (agent.py: it ends as "done", not
-                     "truncated")
+                     "truncated"); on the last step, "outcome": the episode's reward, when the
+                     environment knows it (a flow's return; the task's score may use it), and
+                     "step_rewards": every turn's reward, in place of those given step by step
+    finish(reason)  optional: called once when the trajectory ends, with its finish reason (a flow's
+                    calls then fail with it)
 
 Tool calling is one such environment (tools.ToolCalling, made by tool_env below), a game another
 (tasks/textworld.py). A step runs in a thread of its own while the engine keeps decoding other
@@ -26,7 +36,9 @@ reward, say) or outlasts rollout.step_timeout_s ends its own trajectory ("env_er
 
 ChatEnv is the side every environment shares: it makes one per trajectory, runs their steps, and
 turns conversations into ids with the tokenizer's chat template (observation_ids; with
-context=last_k, step_prompt_ids), each observation cut to a token budget (truncate).
+context=last_k, step_prompt_ids), each observation cut to a token budget (truncate). A context
+(messages, tools) renders under its own tools; where a context goes on from an earlier turn's, the
+ids of that turn are kept and only what follows is rendered (agent.py: context_prompt_ids).
 
 Environment text is text, never conversation structure: a search result or a game's text holding
 "<|im_end|>" must not close its turn for the model. So the template is rendered with a marker in
@@ -41,6 +53,7 @@ import math
 import re
 import threading
 from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
 
 from nanoagent.config import ConfigError
 from nanoagent.tools import CALL_END, ToolCalling, ToolRunner, hermes_messages
@@ -48,6 +61,29 @@ from nanoagent.tools import CALL_END, ToolCalling, ToolRunner, hermes_messages
 TRUNCATION_MARK = "\n[truncated]"
 TEXT_MARKER = "\x00environment text\x00"  # in place of environment text, then split on (encode_rendered)
 TEXT_ROLES = ("system", "assistant")      # the roles whose content is rendered as is; any other's is text
+CONTEXTS = ("full", "last_k", "summary")  # rollout.context
+
+
+@dataclass
+class Context:
+    """What a turn is sampled from, when the environment gives it whole (reset, or a step's dict
+    observation): the conversation, the tools shown (None: the task's) and the turn's budget of new
+    tokens (None: rollout.max_new_tokens)."""
+    messages: list
+    tools: list | None = None
+    max_tokens: int | None = None
+
+
+class Action(str):
+    """A turn's text as an environment steps on it (a str: decoded, stop tag included, EOS not), with
+    how the engine ended it: finish_reason "stop" (EOS or a stop tag) or "length" (a budget), and the
+    tokens of its prompt and of the action (a flow's reply, an endpoint's usage)."""
+
+    def __new__(cls, text, finish_reason="stop", prompt_tokens=0, completion_tokens=0):
+        action = super().__new__(cls, text)
+        action.finish_reason, action.prompt_tokens, action.completion_tokens = (finish_reason, prompt_tokens,
+                                                                                completion_tokens)
+        return action
 
 
 class ChatEnv:
@@ -55,34 +91,54 @@ class ChatEnv:
     Environments for a task's trajectories (make: () -> a new environment), their steps in the
     background (start), and the conversations rendered as ids under one tokenizer and chat template.
     schemas: the tools the template lists in the system turn (a tool task's; none for a game).
-    context: what a turn sees, the whole trajectory ("full") or the prompt and the last keep_turns
-    turns ("last_k"); max_obs_tokens: the budget of each observation message. tool_format: how the
+    context: what a turn sees, the whole trajectory ("full"), the prompt and the last keep_turns
+    turns ("last_k"), or the whole trajectory until it passes summary_tokens, then the prompt, the
+    model's summary of the rest and the last turn ("summary", agent.py); max_obs_tokens: the budget
+    of each observation message. tool_format: how the
     tools and their results are shown (rollout.tool_format): "template", by the chat template's own
     tools= and tool messages; "hermes", nanoagent's fallback (tools.hermes_messages), for templates
     without tools; "auto", the template's when it renders tools=, else hermes.
     """
 
     def __init__(self, make, tokenizer, schemas=(), max_obs_tokens=512, context="full", keep_turns=2,
-                 step_timeout_s=120.0, tool_format="auto"):
-        if context not in ("full", "last_k") or keep_turns < 1:
-            raise ValueError(f"context={context!r}, keep_turns={keep_turns}: "
-                             "context is full or last_k, keep_turns >= 1")
+                 step_timeout_s=120.0, tool_format="auto", summary_tokens=0):
+        if context not in CONTEXTS or keep_turns < 1 or (context == "summary" and summary_tokens < 1):
+            raise ValueError(f"context={context!r}, keep_turns={keep_turns}, summary_tokens={summary_tokens}: "
+                             f"context is one of {', '.join(CONTEXTS)}, keep_turns >= 1, summary_tokens >= 1 "
+                             "with context=summary")
         self.make = make
         self.tokenizer = tokenizer
         self.schemas = list(schemas)
+        self.tool_format = tool_format
         # no template at all: check() refuses it
-        shows_tools = not self.schemas or not tokenizer.chat_template or template_shows_tools(tokenizer)
-        if tool_format == "template" and not shows_tools:
+        if tool_format == "template" and self.schemas and tokenizer.chat_template and not self.template_tools:
             raise ConfigError("rollout.tool_format=template, but the model's chat template ignores tools= "
                               "(it renders the same text with and without them): the model would never see "
                               "its tools. Use rollout.tool_format=hermes (or auto), nanoagent's fallback "
                               "tool format (README: Models and chat templates)")
-        self.hermes = bool(self.schemas) and (tool_format == "hermes" or not shows_tools)
+        self.hermes = self.renders_hermes(self.schemas)
         self.max_obs_tokens = max_obs_tokens
         self.context = context
         self.keep_turns = keep_turns
+        self.summary_tokens = summary_tokens
         self.step_timeout_s = step_timeout_s
         self.frames = {}  # role -> _frame(role)
+        self.endpoint = None  # the OpenAI-compatible endpoint its trajectories' agents call (endpoint.py)
+
+    @functools.cached_property
+    def template_tools(self):
+        """Whether the chat template renders a tools= list (a template without tools ignores it)."""
+        return bool(self.tokenizer.chat_template) and template_shows_tools(self.tokenizer)
+
+    def renders_hermes(self, schemas):
+        """Whether these tools are shown in nanoagent's fallback format (tool_format hermes, or auto with a
+        template that ignores tools=)."""
+        return bool(schemas) and (self.tool_format == "hermes" or not self.template_tools)
+
+    def close(self):
+        """Stop what the environments share that outlives a rollout: the endpoint, if there is one."""
+        if self.endpoint is not None:
+            self.endpoint.stop()
 
     def start(self, env, action):
         """
@@ -191,11 +247,13 @@ class ChatEnv:
             ids = ids + [self.tokenizer.convert_tokens_to_ids(special)] + stretch
         return ids
 
-    def render(self, messages, add_generation_prompt=False):
-        if self.hermes:
-            return self.tokenizer.apply_chat_template(hermes_messages(messages, self.schemas), tokenize=False,
+    def render(self, messages, add_generation_prompt=False, tools=None):
+        """The template's text of a conversation, under the task's tools or (tools) a context's own."""
+        schemas = self.schemas if tools is None else tools
+        if self.renders_hermes(schemas):
+            return self.tokenizer.apply_chat_template(hermes_messages(messages, schemas), tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)
-        return self.tokenizer.apply_chat_template(messages, tools=self.schemas or None, tokenize=False,
+        return self.tokenizer.apply_chat_template(messages, tools=schemas or None, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
 
     def check(self):
@@ -234,9 +292,9 @@ class ChatEnv:
                               "rollout.tool_format=hermes renders tools with plain system/user/assistant "
                               "turns, or use a model whose template renders message content verbatim") from e
 
-    def prompt_ids(self, messages):
+    def prompt_ids(self, messages, tools=None):
         """The ids of a conversation and the next assistant header, environment text as text."""
-        text = self.render(marked(messages), add_generation_prompt=True)
+        text = self.render(marked(messages), add_generation_prompt=True, tools=tools)
         return self.encode_rendered(text, [m["content"] for m in messages if m["role"] not in TEXT_ROLES])
 
     def prompt_lengths(self, conversations):
@@ -249,7 +307,7 @@ class ChatEnv:
                 if any(x["role"] not in TEXT_ROLES and self._special_tokens.search(x["content"]) for x in m)
                 else n for m, n in zip(conversations, lengths)]
 
-    def observation_ids(self, messages, content, observation, ended_with_eos=False):
+    def observation_ids(self, messages, content, observation, ended_with_eos=False, tools=None):
         """
         The ids appended after an assistant turn whose text is `content` (the decoded action, stop
         tag included, EOS excluded): the template's closing glue of that turn, the observation
@@ -258,13 +316,13 @@ class ChatEnv:
         closing glue. The observation's content is encoded as text (encode_rendered).
         """
         messages = marked(messages)
-        before = self.render(messages, add_generation_prompt=True)
-        with_turn = self.render(messages + [{"role": "assistant", "content": content}])
+        before = self.render(messages, add_generation_prompt=True, tools=tools)
+        with_turn = self.render(messages + [{"role": "assistant", "content": content}], tools=tools)
         if not with_turn.startswith(before + content):
             raise ValueError("the chat template does not render assistant content verbatim after the "
                              "generation prompt; token-in/token-out trajectories need a template that does")
         after = self.render(messages + [{"role": "assistant", "content": content}] + marked(observation),
-                            add_generation_prompt=True)
+                            add_generation_prompt=True, tools=tools)
         if not after.startswith(with_turn):
             raise ValueError("the chat template re-renders earlier turns when observation messages are added")
         text = with_turn[len(before + content):] + after[len(with_turn):]
@@ -302,24 +360,58 @@ class StepError(RuntimeError):
     """An environment's step failed: its trajectory ends ("env_error") with this as the reason."""
 
 
+def is_messages(obj):
+    return isinstance(obj, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                         and isinstance(m.get("content"), str) for m in obj)
+
+
+def checked_context(obj, what):
+    """A whole context as an environment gives it (a dict: messages, optional tools and max_tokens) -> a
+    Context; anything else raises, saying what is wrong."""
+    unknown = set(obj) - {"messages", "tools", "max_tokens"}
+    messages, tools, max_tokens = obj.get("messages"), obj.get("tools"), obj.get("max_tokens")
+    if unknown:
+        raise TypeError(f"{what}'s context has unknown keys {sorted(unknown)} (messages, tools, max_tokens)")
+    if not is_messages(messages) or not messages:
+        raise TypeError(f"{what}'s context needs messages: a non-empty list of {{'role': str, 'content': str}}")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise TypeError(f"{what}'s context tools are not a list of tool schemas")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                   or max_tokens < 1):
+        raise ValueError(f"{what}'s context max_tokens {max_tokens!r} is not a positive integer")
+    return Context(list(messages), None if tools is None else list(tools), max_tokens)
+
+
 def checked_step(result):
     """A step's (observation, reward, done, info) as the loop takes it: the observation as a list of
-    messages (a string is one user message), the reward a finite float. Anything else raises."""
+    messages (a string is one user message) or a Context (a dict: the whole next context), the reward
+    and the last step's outcome and step rewards finite floats. Anything else raises."""
     if not isinstance(result, tuple) or len(result) != 4:
         raise TypeError(f"step returned {type(result).__name__}, not (observation, reward, done, info)")
     observation, reward, done, info = result
     if isinstance(observation, str):
         observation = [{"role": "user", "content": observation}]
-    if not isinstance(observation, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                    and isinstance(m.get("content"), str)
-                                                    for m in observation):
-        raise TypeError("step's observation is neither a string nor a list of "
-                        "{'role': str, 'content': str} messages")
-    if not isinstance(reward, (int, float)) or not math.isfinite(reward):
+    elif isinstance(observation, dict):
+        observation = checked_context(observation, "step")
+    elif isinstance(observation, Context):  # made and checked by nanoagent (a flow's call)
+        pass
+    elif not is_messages(observation):
+        raise TypeError("step's observation is neither a string, a list of {'role': str, 'content': str} "
+                        "messages nor a context {'messages': [...]}")
+    if not finite(reward):
         raise ValueError(f"step's reward {reward!r} is not a finite number")
     if not isinstance(info, dict):
         raise TypeError(f"step's info is a {type(info).__name__}, not a dict")
+    if "outcome" in info and not finite(info["outcome"]):
+        raise ValueError(f"step's outcome {info['outcome']!r} is not a finite number")
+    if "step_rewards" in info and not (isinstance(info["step_rewards"], (list, tuple))
+                                       and all(map(finite, info["step_rewards"]))):
+        raise ValueError("step's step_rewards are not a list of finite numbers")
     return observation, float(reward), bool(done), info
+
+
+def finite(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def marked(messages):
@@ -337,9 +429,9 @@ def template_shows_tools(tokenizer):
 
 
 def tool_env(tools, tokenizer, max_obs_tokens=512, timeout_s=10.0, context="full", keep_turns=2, workers=4,
-             max_abandoned=8, step_timeout_s=120.0, tool_format="auto"):
+             max_abandoned=8, step_timeout_s=120.0, tool_format="auto", summary_tokens=0):
     """The ChatEnv of a tool task: a ToolCalling environment per trajectory over one ToolRunner,
     which runs the calls of every trajectory (batched where they wait together) under time limits."""
     runner = ToolRunner(tools, timeout_s, workers, max_abandoned)
     return ChatEnv(lambda: ToolCalling(runner), tokenizer, runner.schemas(), max_obs_tokens, context,
-                   keep_turns, step_timeout_s, tool_format)
+                   keep_turns, step_timeout_s, tool_format, summary_tokens)

@@ -65,7 +65,8 @@ class RolloutConfig:
     max_turns: int = opt(4, "assistant turns per trajectory before it is cut", low=1)
     max_new_tokens: int = opt(512, "tokens the model may sample in one turn", low=1)
     max_context_tokens: int = opt(
-        4096, "prompt + response budget of one trajectory (of one step with context=last_k)", low=1)
+        4096, "prompt + response budget of one trajectory (of one step with context=last_k or summary, or "
+        "a flow's call)", low=1)
     max_obs_tokens: int = opt(512, "a tool result is truncated to this many tokens", low=1)
     tool_timeout_s: float = opt(10.0, "time limit of one tool call", above=0)
     step_timeout_s: float = opt(
@@ -91,12 +92,18 @@ class RolloutConfig:
         0, "max_staleness > 0: groups in flight beyond rollout.prompts_per_step (over all ranks), drawn from "
         "spare prompts (seeded, apart from the data order); those still running when enough have ended "
         "carry over", low=0)
-    context: Literal["full", "last_k"] = opt(
+    context: Literal["full", "last_k", "summary"] = opt(
         "full", "what a turn sees: full: the whole trajectory, one growing token row; last_k: the system "
-        "prompt, the question and the last rollout.keep_turns turns, rendered afresh each turn, each turn "
-        "trained as a sequence of its own (Agent-R1 v0.1's step context)")
+        "prompt, the question and the last rollout.keep_turns turns (Agent-R1 v0.1's step context); "
+        "summary: the whole trajectory until its next prompt passes rollout.summary_tokens, then the model "
+        "summarises it in a turn of its own (trained like any other) and the next turns see the system "
+        "prompt, the question, the summary and the last turn. A turn whose context goes on from the one "
+        "before keeps its ids and trains in the same row; one that leaves turns out is a row of its own")
     keep_turns: int = opt(
         2, "context=last_k: earlier turns (an assistant turn with its tool results) a turn sees", low=1)
+    summary_tokens: int = opt(
+        1024, "context=summary: a next prompt longer than this many tokens is summarised first (below "
+        "rollout.max_context_tokens, with room for the summary turn)", low=1)
     tool_format: Literal["auto", "template", "hermes"] = opt(
         "auto", "how tools and their results are shown: template: by the chat template (tools=, tool "
         "messages); hermes: nanoagent's fallback for templates without tools (Qwen2.5's Hermes block in the "

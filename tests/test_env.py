@@ -18,11 +18,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import procs
-from nanoagent.agent import Rollouts, run_agent, scripted_trajectories
-from nanoagent.batch import collate, counted_in_baseline, token_rewards, trained_rows
+from nanoagent.agent import (SUMMARY_HEADER, SUMMARY_REQUEST, Rollouts, context_prompt_ids, run_agent,
+                             scripted_trajectories)
+from nanoagent.batch import collate, counted_in_baseline, step_batch, token_rewards, trained_rows
 from nanoagent.config import make_config
 from nanoagent.engine import SamplingConfig, VLLMEngine, stop_token_ids
-from nanoagent.env import ChatEnv
+from nanoagent.env import ChatEnv, Context
 from nanoagent.partial import rollout_step
 from nanoagent.tasks import textworld
 from nanoagent.tiny_pretrain import pretraining_loss, pretraining_rows
@@ -147,8 +148,11 @@ def test_an_environment_under_last_k_renders_each_turns_prompt(engine, tok):
             seen = t.messages[:2] + (t.messages[2 * k:2 * k + 2] if k else [])  # the prompt, then the one turn before (assistant, observation)
             assert tok.decode(prompt, skip_special_tokens=False) == env.render(seen, add_generation_prompt=True)
             assert prompt.count(tok.convert_tokens_to_ids("<|im_end|>")) == len(seen)  # the observations' "<|im_end|>" is text
-        for (ids, mask, _, _, _), (s, e) in zip(t.sequences(), t.turn_spans):
-            assert ids[len(ids) - (e - s):] == t.response_ids[s:e] and sum(mask) == e - s
+        seqs, places = t.assemble()  # turn 1's prompt goes on from turn 0's: one row; then one row a turn
+        assert len(seqs) == 3 and [row for row, _, _ in places] == [0, 0, 1, 2]
+        for (row, start, end), (s, e) in zip(places, t.turn_spans):
+            assert seqs[row][0][start:end] == t.response_ids[s:e] and seqs[row][1][start:end] == [1] * (e - s)
+        assert [sum(mask) for _, mask, *_ in seqs] == [sum(e - s for s, e in t.turn_spans[:2])] + [e - s for s, e in t.turn_spans[2:]]
 
 
 def test_a_failing_environment_fails_only_its_own_trajectory(engine, tok):
@@ -172,6 +176,79 @@ def test_a_failing_environment_fails_only_its_own_trajectory(engine, tok):
                                  counted_in_baseline(trajs),
                                  make_config("tiny", ["algo=reinforce", "train.overlong_filter=false"]))
     assert keep.tolist() == [1, 0, 0, 0, 0, 0, 1] and dropped["dropped_env_error"] == 5
+
+
+class Rewriting:
+    """Gives the whole next context itself: the conversation goes on (its turns and a user message), until its
+    rewrite_at-th step, which keeps only the system prompt and a note of the count."""
+
+    def __init__(self, rewrite_at=2):
+        self.rewrite_at, self.n = rewrite_at, 0
+
+    def reset(self, row):
+        self.messages = [SYSTEM, {"role": "user", "content": f"Start at {row['start']}."}]
+        return self.messages
+
+    def step(self, action):
+        self.n += 1
+        self.messages = self.messages + [{"role": "assistant", "content": action}, {"role": "user", "content": f"Count {self.n}."}]
+        if self.n == self.rewrite_at:
+            self.messages = [SYSTEM, {"role": "user", "content": f"You have counted to {self.n}; earlier turns are gone."}]
+        return {"messages": self.messages}, 0.25, self.n == 3, {}
+
+
+def test_an_environment_that_gives_the_whole_context(engine, tok):
+    """env.py's dict observation: a context that goes on from the last turn's keeps its ids (one row, as the
+    full context would append it); a rewritten one is rendered afresh, a row of its own, and trains."""
+    env = ChatEnv(Rewriting, tok, max_obs_tokens=256)
+    trajs = run_agent(engine, env, rows(4), SAMPLED, max_turns=5, max_context_tokens=MAX_CONTEXT, seed=4)
+    for t in trajs:
+        assert t.finish_reason in ("done", "truncated") and len(t.turn_spans) == 3 and t.step_rewards == [0.25] * 3
+        rows_, places = t.assemble()
+        assert len(rows_) == 2 and [row for row, _, _ in places] == [0, 0, 1]
+        first, action = t.turn_ids(0)
+        assert t.step_prompts[1] == first + action + env.observation_ids(t.contexts[0].messages, t.replies[0][0],
+                                                                         [t.contexts[1].messages[-1]], t.replies[0][1])
+        assert t.step_prompts[2] == env.prompt_ids(t.contexts[2].messages)
+        for prompt, context in zip(t.step_prompts, t.contexts):
+            assert tok.decode(prompt, skip_special_tokens=False) == env.render(context.messages, add_generation_prompt=True)
+    data = step_batch(trajs, tok.pad_token_id, make_config("tiny", ["rollout.group_size=4", "grpo.drop_uniform_groups=false"]))
+    assert len(data.batch["lengths"]) == 8 and data.batch["action_mask"].sum() == sum(sum(t.action_mask) for t in trajs)
+
+
+def test_a_summary_context_summarises_past_its_budget_and_trains_the_summary(engine, tok):
+    """rollout.context=summary: once a next prompt would pass rollout.summary_tokens the model writes a summary
+    (a turn of its own, in the same row, asked for by SUMMARY_REQUEST), and the turns after it see the system
+    prompt, the task, the summary and the last turn, rendered afresh; summaries do not count as turns
+    (rollout.max_turns) nor step the environment; every turn, summaries included, is trained."""
+    prompt = ChatEnv(Counter, tok).prompt_ids([SYSTEM, {"role": "user", "content": "Start at 0."}])
+    budget = len(prompt) + 120  # about three turns of the counter's
+    env = ChatEnv(lambda: Counter(turns=10), tok, max_obs_tokens=256, context="summary", summary_tokens=budget)
+    trajs = run_agent(engine, env, rows(4), SAMPLED, max_turns=6, max_context_tokens=MAX_CONTEXT, seed=5)
+    for t in trajs:
+        summaries = [k for k, c in enumerate(t.contexts) if c.messages[-1]["content"] == SUMMARY_REQUEST]
+        assert t.finish_reason in ("max_turns", "truncated") and len(t.turn_spans) == 6 + t.summaries == len(t.step_rewards)
+        assert t.summaries == len(summaries) >= 1 and t.env.n == 6  # summaries do not step the environment
+        rows_, places = t.assemble()
+        for k in summaries:
+            assert places[k][0] == places[k - 1][0] and t.step_rewards[k] == 0.0  # the summary reads its history
+            assert t.step_prompts[k][:len(t.step_prompts[k - 1])] == t.step_prompts[k - 1]
+            assert len(context_prompt_ids(t, env, Context(t.contexts[k].messages[:-1]))) > budget
+            summary, last = t.contexts[k + 1].messages[2], t.contexts[k].messages[-3:-1]
+            assert summary == {"role": "user", "content": SUMMARY_HEADER + t.replies[k][0]}
+            assert t.contexts[k + 1].messages == t.contexts[0].messages + [summary] + last
+            assert t.step_prompts[k + 1] == env.prompt_ids(t.contexts[k + 1].messages) and places[k + 1][0] != places[k][0]
+        for k, (prompt_k, context) in enumerate(zip(t.step_prompts, t.contexts)):
+            assert tok.decode(prompt_k, skip_special_tokens=False) == env.render(context.messages, add_generation_prompt=True)
+            assert k in summaries or len(prompt_k) <= budget
+    data = step_batch(trajs, tok.pad_token_id, make_config("tiny", ["rollout.group_size=4", "grpo.drop_uniform_groups=false"]))
+    assert data.batch["action_mask"].sum() == sum(sum(t.action_mask) for t in trajs)  # the summaries' tokens train
+    # a demonstration under context=summary: the task writes the summary a summary turn asks for
+    demos = scripted_trajectories(env, rows(1), [["one", "two", "three", "four"]],
+                                  summarize=lambda row, messages: f"Counted {sum(m['role'] == 'assistant' for m in messages)}.")
+    assert demos[0].summaries >= 1 and [m["content"] for m in demos[0].messages if m["content"].startswith("Counted")]
+    with pytest.raises(ValueError, match="summarize"):
+        scripted_trajectories(env, rows(1), [["one", "two", "three", "four"]])
 
 
 @pytest.fixture(scope="module")

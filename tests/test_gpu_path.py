@@ -4,6 +4,7 @@ sharded, bf16 mixed precision, activation checkpointing without a KV cache, prom
 they are loaded, and the data order. (PPO and GRPO steps in bf16 under torchrun: test_train.py.)
 """
 
+import dataclasses
 import os
 import random
 import sys
@@ -18,7 +19,7 @@ import procs
 import train
 from padded import load_causal_lm
 from nanoagent import common, rl, update
-from nanoagent.agent import scripted_trajectories
+from nanoagent.agent import Trajectory, scripted_trajectories
 from nanoagent.batch import collate, shared_prompts, synced_micro_batches, token_rewards
 from nanoagent.config import make_config
 from nanoagent.data import fit_prompts, step_prompts
@@ -84,11 +85,30 @@ def test_bf16_critic_forward_and_backward(process_group, tiny_model_dir):
     assert critic.value_head.weight.grad.dtype == torch.float32 and critic.value_head.weight.grad.full_tensor().abs().sum() > 0
 
 
+class RowPerTurn(Trajectory):
+    """A trajectory each of whose turns is a row of its own, the whole row before the turn for its prompt: the
+    trainer's case of a trajectory in several rows (contexts that do not go on from each other, agent.py), with
+    the tokens of one row."""
+
+    def assemble(self):
+        rows, places = [], []
+        for k, (s, e) in enumerate(self.turn_spans):
+            prompt, action = self.turn_ids(k)
+            P = len(prompt)
+            rows.append((prompt + action, [0] * P + self.action_mask[s:e], [0.0] * P + self.rollout_logprobs[s:e],
+                         [(P, P + e - s)], [0] * P + self.versions[s:e]))
+            places.append((k, P, P + e - s))
+        return rows, places
+
+
 def update_batch(tokenizer, n=6, context="full"):
-    """A batch as train.py builds it, from scripted arithmetic trajectories (no engine needed)."""
-    env = tool_env([calculator_tool()], tokenizer, context=context, keep_turns=1)
+    """A batch as train.py builds it, from scripted arithmetic trajectories (no engine needed); context="rows":
+    each turn a row of its own (RowPerTurn)."""
+    env = tool_env([calculator_tool()], tokenizer)
     rows = arithmetic.make_prompts(n, 0, "train")
     trajs = scripted_trajectories(env, rows, [arithmetic.demonstration(row, random.Random(i)) for i, row in enumerate(rows)])
+    if context == "rows":
+        trajs = [RowPerTurn(**{f.name: getattr(t, f.name) for f in dataclasses.fields(t)}) for t in trajs]
     for i, t in enumerate(trajs):
         t.reward = (i % 3) / 2
     batch = collate(trajs, pad_token_id(tokenizer))
@@ -247,8 +267,8 @@ def test_step_credit_trains_the_critic_where_the_step_values_are_read_only(proce
 
 @pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "step_mean_token_mean"])
 def test_a_row_per_turn_trains_like_one_row_when_nothing_is_left_out(process_group, tiny_model_dir, loss_agg):
-    """rollout.context=last_k with K=1 on two-turn trajectories leaves nothing out: each turn's row is
-    its prefix of the one full-context row. The trainer must then see the same thing: the same
+    """Two-turn trajectories, each turn a row of its own (a context rendered afresh that left nothing out):
+    each turn's row is its prefix of the one full-context row. The trainer must then see the same thing: the same
     logprobs and values on each turn's tokens, the same step-level advantages and returns (step_gae
     linking the rows of a trajectory), the same GRPO advantages, and the same policy and critic
     updates, for every train.loss_agg (a token mean over all rows of the mini-batch, or a mean over
@@ -257,7 +277,7 @@ def test_a_row_per_turn_trains_like_one_row_when_nothing_is_left_out(process_gro
     cfg = make_config("tiny", ["algo=ppo", "ppo.credit=step", "train.micro_batch_tokens=400", f"train.loss_agg={loss_agg}"])
     config, weights = training_config(tiny_model_dir), read_weights(tiny_model_dir)
     batches, updated = {}, {}
-    for context in ("full", "last_k"):
+    for context in ("full", "rows"):
         batch = batches[context] = update_batch(tok, context=context)
         rows = list(range(len(batch["lengths"])))
         policy = build_policy(config, weights, CPU, torch.float32, False)
@@ -280,7 +300,7 @@ def test_a_row_per_turn_trains_like_one_row_when_nothing_is_left_out(process_gro
         batch["shares"], _, _ = update.update_policy(policy, policy_sgd, batch, rows, False, cfg, 1, CPU)
         batch["vf_shares"], _ = update.update_critic(critic, critic_sgd, batch, rows, cfg, 1, CPU)
         updated[context] = {**dict(policy.named_parameters()), **{"critic." + n: p for n, p in critic.named_parameters()}}
-    full, lastk = batches["full"], batches["last_k"]
+    full, lastk = batches["full"], batches["rows"]
     assert len(full["lengths"]) == 6 and len(lastk["lengths"]) == sum(map(len, full["steps"])) > 6  # several two-turn trajectories
     for full_steps, lastk_steps in zip(full["steps"], lastk["steps"]):
         for (fr, fs, fe), (lr, ls, le) in zip(full_steps, lastk_steps, strict=True):
@@ -293,7 +313,7 @@ def test_a_row_per_turn_trains_like_one_row_when_nothing_is_left_out(process_gro
     assert lastk["shares"]["entropy"] == pytest.approx(full["shares"]["entropy"], rel=1e-5)
     assert lastk["vf_shares"]["vf_loss"] == pytest.approx(full["vf_shares"]["vf_loss"], rel=1e-5)
     for name, param in updated["full"].items():
-        torch.testing.assert_close(updated["last_k"][name], param, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(updated["rows"][name], param, atol=1e-6, rtol=1e-5)
 
 
 def test_a_step_value_is_the_critics_after_everything_the_policy_read(process_group, tiny_model_dir):

@@ -228,16 +228,21 @@ def test_last_k_context_is_token_exact_per_step_and_bounded(engine, env, scripte
             assert tok.decode(prompt, skip_special_tokens=False) == env.render(visible, add_generation_prompt=True)
             assert prompt == lastk.prompt_ids(visible)  # tool results as text (test_tools), which may quote a special token
     for traj in greedy:  # the engine samples the same action again from the step's prompt
-        for ids, mask, _, [(s, e)], _ in traj.sequences():
-            assert mask == [0] * s + [1] * (e - s)
-            [replay] = engine.generate([ids[:s]], GREEDY, [e - s])
-            assert replay.token_ids == ids[s:e]
-    for traj in sampled:  # the trainer's logprobs over each (prompt, action) row are the engine's
-        for ids, _, logprobs, [(s, e)], _ in traj.sequences():
+        rows = traj.sequences()
+        # the first K + 1 turns' prompts go on from the turn before: one row; each later turn's leaves one out
+        assert [len(spans) for *_, spans, _ in rows] == [min(len(traj.turn_spans), K + 1)] + [1] * (len(traj.turn_spans) - K - 1)
+        for ids, mask, _, spans, _ in rows:
+            assert [i for i, m in enumerate(mask) if m] == [i for s, e in spans for i in range(s, e)]
+            for s, e in spans:
+                [replay] = engine.generate([ids[:s]], GREEDY, [e - s])
+                assert replay.token_ids == ids[s:e]
+    for traj in sampled:  # the trainer's logprobs over each row are the engine's
+        for ids, mask, logprobs, _, _ in traj.sequences():
             with torch.no_grad():
-                logits = model(torch.tensor([ids])).logits[0, s - 1:e - 1].float() / 0.7
-            trainer = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[s:e])[:, None]).squeeze(-1)
-            assert (torch.tensor(logprobs[s:e]) - trainer).abs().max() <= 1e-4
+                logits = model(torch.tensor([ids])).logits[0, :-1].float() / 0.7
+            trainer = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+            actions = torch.tensor(mask[1:], dtype=torch.bool)
+            assert (torch.tensor(logprobs[1:]) - trainer)[actions].abs().max() <= 1e-4
     assert sum(len(t.turn_spans) > K for t in sampled) >= 2
     endless = greedy[list(scripted.SCRIPTS).index("Keep calculating.")]
     assert endless.finish_reason == "max_turns" and len(endless.turn_spans) == 6 > K

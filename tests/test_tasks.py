@@ -68,7 +68,7 @@ def test_tasks_are_found_by_name_or_path_and_refused_clearly(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_task(str(tmp_path / "missing.py"))
     (tmp_path / "half.py").write_text("SYSTEM_PROMPT = ''\nQUESTION = '{}'\n")
-    with pytest.raises(ValueError, match="does not define prompts, score, demonstration, prepare, tools or environment"):
+    with pytest.raises(ValueError, match="does not define prompts, score, demonstration, prepare, tools, environment, flow or agent"):
         load_task(str(tmp_path / "half.py"))
     with pytest.raises(ConfigError, match="data.task='nosuch': not a task; valid: arithmetic, gsm8k, hotpotqa, synthetic"):
         make_config("tiny", ["data.task=nosuch"])

@@ -9,11 +9,17 @@ else about it. A task module defines:
     tools(cfg)                 -> [Tool]: the tools the agent may call (nanoagent/tools.py); or, for a
                                   task that is not tool calls (a game, a simulator, a shell),
     environment(cfg)           -> a function that makes one environment per trajectory: an object with
-                                  reset(row) and step(action) (nanoagent/env.py says what they return)
+                                  reset(row) and step(action) (nanoagent/env.py says what they return);
+                                  or, for an agent of your own that builds its prompts itself,
+    flow(client, row)          -> its outcome's reward: the agent's code, calling the model through
+                                  client.chat(messages, tools=...) (nanoagent/flow.py); or
+    agent(base_url, row)       -> the same, for an agent written against an OpenAI-compatible server,
+                                  which calls nanoagent's endpoint at base_url (nanoagent/endpoint.py)
     prompts(cfg, split)        -> rows for split "train" or "val": dicts with "id", "messages"
                                   (system + user, chat format) and "answers"; made on the spot or
                                   read from the files prepare() wrote (nanoagent/data.py: load_prompts)
-    score(traj, cfg)           -> sets traj.reward (a float) and traj.scores (a dict of floats to log)
+    score(traj, cfg)           -> sets traj.reward (a float) and traj.scores (a dict of floats to log);
+                                  a flow's or an agent's task may leave it out: the reward it returned
     demonstration              None, or (row, rng) -> [assistant turn texts]: a scripted solution
                                   to imitate before RL (train.warm_start_steps)
     Knobs                      optional: a dataclass of the task's own config keys (task.*), each
@@ -31,10 +37,14 @@ import importlib
 import importlib.util
 import os
 
-from nanoagent.config import task_names
+from nanoagent.config import ConfigError, task_names
 from nanoagent.data import check_prompts, fit_prompts
+from nanoagent.endpoint import Endpoint
 from nanoagent.env import ChatEnv, tool_env
+from nanoagent.flow import flow_env
 from nanoagent.tools import make_tools
+
+DRIVERS = ("tools", "environment", "flow", "agent")  # what a task's trajectories are driven by: one of these
 
 
 def load_task(name):
@@ -51,14 +61,25 @@ def load_task(name):
     else:
         raise ValueError(f"unknown task {name!r}; tasks: {', '.join(task_names())}, "
                          "or a path to a task file (.py)")
+    drivers = [d for d in DRIVERS if getattr(task, d, None) is not None]
+    if not hasattr(task, "score") and drivers and drivers[0] in ("flow", "agent"):
+        task.score = score_outcome
     missing = [attr for attr in ("SYSTEM_PROMPT", "QUESTION", "prompts", "score", "demonstration", "prepare")
                if not hasattr(task, attr)]
-    if getattr(task, "tools", None) is None and getattr(task, "environment", None) is None:
-        missing.append("tools or environment")
-    if missing:
-        raise ValueError(f"task {name!r} does not define {', '.join(missing)} "
-                         "(nanoagent/tasks/__init__.py says what a task defines)")
+    if not drivers:
+        missing.append("tools, environment, flow or agent")
+    if missing or len(drivers) > 1:
+        raise ValueError(f"task {name!r} " + (f"does not define {', '.join(missing)}" if missing else
+                                              f"defines {' and '.join(drivers)}: one of them drives it")
+                         + " (nanoagent/tasks/__init__.py says what a task defines)")
     return task
+
+
+def score_outcome(traj, cfg):
+    """A flow's or an agent's trajectory earns what the flow returned (0 when it did not return: its
+    trajectory ended first)."""
+    traj.reward = traj.outcome if traj.outcome is not None else 0.0
+    traj.scores = {"outcome": traj.reward}
 
 
 def task_env(task, cfg, tokenizer, tools=None):
@@ -66,13 +87,25 @@ def task_env(task, cfg, tokenizer, tools=None):
     per trajectory, or tool calling over its tools (or over `tools`, when given: rollout.py's and
     chat.py's --tools)."""
     r = cfg.rollout
-    if tools is None and getattr(task, "environment", None) is not None:
+    driver = "tools" if tools is not None else next(d for d in DRIVERS if getattr(task, d, None) is not None)
+    if driver in ("flow", "agent") and r.context != "full":
+        raise ConfigError(f"rollout.context={r.context}: a task's {driver} builds every context itself "
+                          "(its history truncated, summarised or rewritten as it likes); leave rollout.context=full")
+    if driver == "environment":
         env = ChatEnv(task.environment(cfg), tokenizer, (), r.max_obs_tokens, r.context, r.keep_turns,
-                      r.step_timeout_s)
+                      r.step_timeout_s, summary_tokens=r.summary_tokens)
+    elif driver == "flow":
+        env = ChatEnv(flow_env(task.flow, r.step_timeout_s), tokenizer, (), r.max_obs_tokens,
+                      step_timeout_s=r.step_timeout_s, tool_format=r.tool_format)
+    elif driver == "agent":
+        endpoint = Endpoint(cfg.model, r.temperature, r.top_p, r.max_new_tokens)
+        env = ChatEnv(endpoint.agent_env(task.agent, r.step_timeout_s), tokenizer, (), r.max_obs_tokens,
+                      step_timeout_s=r.step_timeout_s, tool_format=r.tool_format)
+        env.endpoint = endpoint
     else:
         env = tool_env(task.tools(cfg) if tools is None else tools, tokenizer, r.max_obs_tokens,
                        r.tool_timeout_s, r.context, r.keep_turns, step_timeout_s=r.step_timeout_s,
-                       tool_format=r.tool_format)
+                       tool_format=r.tool_format, summary_tokens=r.summary_tokens)
     # a tokenizer or template a rollout would fail on is refused now, before any model is built
     env.check()
     return env

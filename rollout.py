@@ -103,6 +103,7 @@ def main(argv=None):
     metrics = rollout_metrics(trajs, time.perf_counter() - start)
     print(" | ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
     print(f"wrote {len(trajs)} trajectories to {args.out}")
+    env.close()
     return 0
 
 

@@ -368,6 +368,7 @@ def main(argv=None):
     dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
     export_hf(policy, tokenizer, export_dir, dtype)
     print0(f"exported {export_dir} in {cfg.train.dtype}, every tensor checked against the trainer's")
+    env.close()
     return 0
 
 

@@ -184,10 +184,15 @@ def start_trajectories(env, samples, max_context_tokens):
     are the context reset returns (a conversation, or a Context: a flow's first call), rendered (with
     the tools' schemas, for a tool task), once for all the trajectories that reset to the same context
     (a group's, as a rule). One whose environment did not reset, or whose first prompt is over the
-    context budget, ends there ("env_error", no turn taken, one EOS token for a row)."""
+    context budget, ends there ("env_error", no turn taken, one EOS token for a row). Flows (an
+    environment with begin(row)) all start before the first is waited for."""
     trajs, rendered = [], {}  # repr(context) -> its prompt ids
-    for s in samples:
-        environment, error, told = env.make(), None, None
+    environments = [env.make() for _ in samples]
+    for environment, s in zip(environments, samples):  # a flow runs up to its first call (flow.py): all at once
+        if hasattr(environment, "begin"):
+            environment.begin(s)
+    for environment, s in zip(environments, samples):
+        error, told = None, None
         try:
             first = environment.reset(s)
             if isinstance(first, Context):  # made and checked by nanoagent (a flow's first call)

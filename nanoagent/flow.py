@@ -111,6 +111,7 @@ class FlowEnv:
         self.events = queue.Queue()  # ("call", Context, Future of its Reply) | ("return", value) | ("raise", error)
         self.pending = None          # the Future of the call being sampled
         self.stopped = None          # the finish reason, once the trajectory has ended
+        self.begun = False
         self.lock = threading.Lock()
 
     def call(self, context):
@@ -124,8 +125,14 @@ class FlowEnv:
                 self.events.put(("call", context, future))
         return future
 
-    def reset(self, row):
+    def begin(self, row):
+        """Start the flow (start_trajectories starts a batch's flows before it waits for their first calls)."""
         threading.Thread(target=self.target, args=(row,), daemon=True).start()
+        self.begun = True
+
+    def reset(self, row):
+        if not self.begun:
+            self.begin(row)
         try:
             event = self.events.get(timeout=self.first_call_s)
         except queue.Empty:

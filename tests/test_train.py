@@ -312,6 +312,25 @@ def test_partial_rollouts_with_refill_train_within_the_staleness_bound_on_two_ra
     assert os.path.exists(tmp_path / "run" / "hf" / "config.json")
 
 
+def test_an_openai_agent_trains_with_partial_rollouts_on_two_ranks_and_resumes(tmp_path):
+    """The README's agent written with the openai package (nanoagent/tasks/openai_agent.py; its rewards scripted to
+    vary: tests/alternating_agent_task.py), trained unchanged through each rank's endpoint, warm-started through
+    it, with partial rollouts: its calls pause and go on
+    under the next step's weights, the engine's logprobs are the trainer's on every token of this step's
+    policy (the rows are what was sampled), no trained token is more than a step old; resumed, the run goes
+    on without the groups paused at the checkpoint and exports."""
+    overrides = [f"data.task={os.path.join(ROOT, 'tests', 'alternating_agent_task.py')}", "rollout.max_staleness=1",
+                 "rollout.extra_prompts=4", "train.tis=true"]
+    first, _ = train(tmp_path / "run", "steps=2", *overrides)
+    then, metrics = train(tmp_path / "run", "steps=3", *overrides)
+    assert "warm start" in first and "resumed from" in then and [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        assert m["staleness_max"] <= 1 and m.get("engine_logprob_diff", 0) <= 1e-4 and m["finish/env_error"] == 0, m
+    assert sum("engine_logprob_diff" in m for m in metrics) >= 2, metrics  # some steps trained
+    assert metrics[1]["carried"] > 0 and metrics[2]["carried"] == 0, metrics
+    assert os.path.exists(tmp_path / "run" / "hf" / "config.json")
+
+
 def test_a_start_that_fails_leaves_the_run_folder_as_it_was(tmp_path):
     """resume=never moves a used run_dir aside and writes config.json only once everything is built:
     a start that fails (here: its prompt file is missing) used to leave a <run_dir>.old-* folder per try."""

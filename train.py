@@ -134,9 +134,9 @@ def gae_advantages(critic, data, rewards, cfg, device):
     """
     batch, mask = data.batch, data.batch["action_mask"]
     if cfg.ppo.credit == "token" and len(batch["trajectory"].unique()) < len(batch["trajectory"]):
-        raise ConfigError("a trajectory came in several rows (its environment or flow gave a context that does "
-                          "not go on from the last one), and token-level GAE cannot carry a value across rows: "
-                          "set ppo.credit=step")
+        raise ConfigError("a trajectory came in several rows (its environment or flow gave a context that "
+                          "does not go on from the last one), and token-level GAE cannot carry a value "
+                          "across rows: set ppo.credit=step")
     values = forward_all(lambda *packed: critic_forward(critic, *packed), batch, data.kept,
                          cfg.train.micro_batch_tokens, device)
     if cfg.ppo.credit == "token":  # a value per action token
@@ -217,7 +217,7 @@ def resume_or_warm_start(cfg, task, env, train_rows, models, optimizers, ref, ra
                               "demonstrations")
         warm_dir = os.path.join(cfg.run_dir, "warm_start")
         ref = imitate(models["policy"], env, train_rows, task.demonstration, warm_dir, cfg, rank, world,
-                      device)
+                      device, getattr(task, "summarize", None))
     return checkpoint, start_step, ref
 
 

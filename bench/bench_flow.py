@@ -44,7 +44,8 @@ def user(n):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trajectories", type=int, default=64)
     parser.add_argument("--turns", type=int, default=4)
     args = parser.parse_args()
@@ -94,8 +95,8 @@ def main():
     endpoint.stop()
     calls = args.trajectories * turns
     base = statistics.median(times["environment"])
-    print(f"{args.trajectories} trajectories x {turns} model calls, tiny model, vLLM CPU, medians of {REPEATS}; "
-          "every way rolled out the same ids")
+    print(f"{args.trajectories} trajectories x {turns} model calls, tiny model, vLLM CPU, medians of "
+          f"{REPEATS}; every way rolled out the same ids")
     for name, seconds in times.items():
         median = statistics.median(seconds)
         print(f"  {name:16s} {median:6.2f} s  {median / base:5.2f}x  "

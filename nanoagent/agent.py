@@ -53,8 +53,8 @@ from nanoagent.tools import CALL_END
 
 FINISH_REASONS = ("done", "truncated", "context_budget", "max_turns", "env_error")
 # rollout.context=summary: the turn that asks for a summary, and how the next turns read it
-SUMMARY_REQUEST = ("Your context is nearly full. Summarise the conversation so far for yourself: the task, what "
-                   "you have found, and what is left to do. Reply with the summary only.")
+SUMMARY_REQUEST = ("Your context is nearly full. Summarise the conversation so far for yourself: the task, "
+                   "what you have found, and what is left to do. Reply with the summary only.")
 SUMMARY_HEADER = "Your summary of the conversation so far:\n"
 
 
@@ -127,7 +127,8 @@ class Trajectory:
                      [0] * P + self.versions)], places
         rows, places = [], []  # rows: [ids, mask, logprobs, spans, versions]
         for prompt, (s, e) in zip(self.step_prompts, self.turn_spans):
-            on = [k for k, row in enumerate(rows) if len(row[0]) <= len(prompt) and prompt[:len(row[0])] == row[0]]
+            on = [k for k, row in enumerate(rows)
+                  if len(row[0]) <= len(prompt) and prompt[:len(row[0])] == row[0]]
             k = max(on, key=lambda k: len(rows[k][0])) if on else len(rows)
             if not on:
                 rows.append([[], [], [], [], []])
@@ -188,7 +189,7 @@ def start_trajectories(env, samples, max_context_tokens):
     environment with begin(row)) all start before the first is waited for."""
     trajs, rendered = [], {}  # repr(context) -> its prompt ids
     environments = [env.make() for _ in samples]
-    for environment, s in zip(environments, samples):  # a flow runs up to its first call (flow.py): all at once
+    for environment, s in zip(environments, samples):  # flows run up to their first calls side by side
         if hasattr(environment, "begin"):
             environment.begin(s)
     for environment, s in zip(environments, samples):
@@ -266,15 +267,16 @@ def context_prompt_ids(t, env, context):
     messages, best, size = context.messages, None, -1
     for k, (before, (text, _)) in enumerate(zip(t.contexts, t.replies)):
         n = len(before.messages)
-        if (n >= size and before.tools == context.tools and len(messages) > n and messages[:n] == before.messages
-                and messages[n].get("role") == "assistant" and messages[n].get("content") == text):
+        if (n >= size and before.tools == context.tools and len(messages) > n
+                and messages[:n] == before.messages and messages[n].get("role") == "assistant"
+                and messages[n].get("content") == text):
             best, size = k, n
     if best is not None:
         prompt, action = t.turn_ids(best)
         text, ended_with_eos = t.replies[best]
         try:
-            return prompt + action + env.observation_ids(messages[:size], text, messages[size + 1:], ended_with_eos,
-                                                         context.tools)
+            return prompt + action + env.observation_ids(messages[:size], text, messages[size + 1:],
+                                                         ended_with_eos, context.tools)
         except ValueError:
             pass
     return env.prompt_ids(messages, context.tools)
@@ -328,8 +330,8 @@ def observe(t, env, step, content, ended_with_eos, last_turn, cut, max_context_t
         t.final_text = content
         if done and "step_rewards" in info:  # every turn's, known at the end (a flow's)
             if len(info["step_rewards"]) != len(t.turn_spans):
-                return finish(t, "env_error", f"the environment gave {len(info['step_rewards'])} step rewards "
-                                              f"for {len(t.turn_spans)} turns")
+                return finish(t, "env_error", f"the environment gave {len(info['step_rewards'])} step "
+                                              f"rewards for {len(t.turn_spans)} turns")
             t.step_rewards = [float(r) for r in info["step_rewards"]]
         if done and "outcome" in info:
             t.outcome = float(info["outcome"])
@@ -382,8 +384,8 @@ def summarized(t, env, max_context_tokens):
     asked = t.contexts[-1].messages[:-1]  # what was summarised, the request left out
     last = max(i for i, m in enumerate(asked) if m["role"] == "assistant")
     n_prompt = len(t.sample["messages"])
-    context = Context(asked[:n_prompt] + [{"role": "user", "content": SUMMARY_HEADER + summary}] + asked[last:],
-                      t.contexts[-1].tools)
+    summary_message = {"role": "user", "content": SUMMARY_HEADER + summary}
+    context = Context(asked[:n_prompt] + [summary_message] + asked[last:], t.contexts[-1].tools)
     next_prompt = context_prompt_ids(t, env, context)
     if len(next_prompt) >= max_context_tokens:
         t.final_text = summary
@@ -558,10 +560,11 @@ def scripted_trajectories(env, samples, scripts, summarize=None):
                 continue
             if t.summarizing:
                 if summarize is None:
-                    raise ValueError("a demonstration reached a summary turn (rollout.context=summary), but the "
-                                     "task has no summarize(row, messages) to write it")
-                take_turn(t, tokenizer.encode(summarize(t.sample, t.contexts[-1].messages[:-1]),
-                                              add_special_tokens=False) + [tokenizer.eos_token_id], None, tokenizer)
+                    raise ValueError("a demonstration reached a summary turn (rollout.context=summary), but "
+                                     "the task has no summarize(row, messages) to write it")
+                summary = summarize(t.sample, t.contexts[-1].messages[:-1])
+                take_turn(t, tokenizer.encode(summary, add_special_tokens=False) + [tokenizer.eos_token_id],
+                          None, tokenizer)
                 summarized(t, env, float("inf"))
                 continue
             text = script[turns[i]]
@@ -569,7 +572,8 @@ def scripted_trajectories(env, samples, scripts, summarize=None):
             ids = tokenizer.encode(text, add_special_tokens=False)
             ids += [] if text.endswith(CALL_END) else [tokenizer.eos_token_id]
             content, ended_with_eos = take_turn(t, ids, None, tokenizer)
-            stepping[env.start(t.env, Action(content, completion_tokens=len(ids)))] = (t, content, ended_with_eos)
+            step = env.start(t.env, Action(content, completion_tokens=len(ids)))
+            stepping[step] = (t, content, ended_with_eos)
         wait(stepping, timeout=env.step_timeout_s)
         for future, (t, content, ended_with_eos) in stepping.items():
             env.expire(future)  # those not back by now (the others have their outcome already)

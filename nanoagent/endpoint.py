@@ -82,16 +82,17 @@ class Endpoint:
         self.max_new_tokens = max_new_tokens
         self.trajectories = {}  # key -> Trajectory, while its agent runs
         self.lock = threading.Lock()
-        app = Starlette(routes=[Route("/t/{key}/v1/chat/completions", self.chat_completions, methods=["POST"]),
-                                Route("/t/{key}/v1/models", self.models, methods=["GET"])],
-                        exception_handlers={HTTPException: lambda request, e: error_response(e.status_code,
-                                                                                             e.detail)})
+        routes = [Route("/t/{key}/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                  Route("/t/{key}/v1/models", self.models, methods=["GET"])]
+        app = Starlette(routes=routes, exception_handlers={
+            HTTPException: lambda request, e: error_response(e.status_code, e.detail)})
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         # uvicorn installs no signal handlers outside the main thread: SIGTERM and Ctrl-C stay the trainer's
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True,
                                        name="nanoagent-endpoint")
         self.thread.start()
@@ -134,8 +135,8 @@ class Endpoint:
             self.trajectory(request)
         except RequestError as e:
             return error_response(e.status, str(e), e.param, e.code)
-        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                                         "owned_by": "nanoagent"}]})
+        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "nanoagent"}
+        return JSONResponse({"object": "list", "data": [model]})
 
     async def chat_completions(self, request):
         try:
@@ -149,12 +150,14 @@ class Endpoint:
                 reply = await asyncio.wrap_future(trajectory.flow.call(context))
             except FlowStopped as e:
                 if e.reason == "context_budget":
-                    raise RequestError(413, "the prompt is over the context budget (rollout.max_context_tokens): "
-                                            "the trajectory has ended", "messages", "context_length_exceeded")
+                    raise RequestError(413, "the prompt is over the context budget "
+                                            "(rollout.max_context_tokens): the trajectory has ended",
+                                       "messages", "context_length_exceeded")
                 raise RequestError(400, str(e), code="trajectory_ended") from None
         except RequestError as e:
             return error_response(e.status, str(e), e.param, e.code)
-        message, finish_reason = self.assistant_message(reply.text, reply.finish_reason, tool_choice, trajectory)
+        message, finish_reason = self.assistant_message(reply.text, reply.finish_reason, tool_choice,
+                                                        trajectory)
         trajectory.sent.append((normal_assistant(message), reply.text))
         return JSONResponse({
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
@@ -167,7 +170,8 @@ class Endpoint:
     # requests in, responses out
 
     def context(self, body, trajectory):
-        """(the Context of a request's model call, its tool_choice); RequestError where it cannot be served."""
+        """(the Context of a request's model call, its tool_choice); RequestError where it cannot be
+        served."""
         if not isinstance(body, dict):
             raise RequestError(400, "the request body is not a JSON object")
         unknown = set(body) - IGNORED - {"model", "messages", "tools", "tool_choice", "temperature", "top_p",
@@ -190,14 +194,14 @@ class Endpoint:
         if body.get("stream"):
             raise RequestError(400, "stream=true is not supported", "stream")
         if body.get("stop"):
-            raise RequestError(400, "stop sequences are not supported: a turn stops at EOS or at the end of a "
-                                    "tool call", "stop")
+            raise RequestError(400, "stop sequences are not supported: a turn stops at EOS or at the end "
+                                    "of a tool call", "stop")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
                                        or not 1 <= max_tokens <= self.max_new_tokens):
-            raise RequestError(400, f"{param}={max_tokens!r}: must be an integer from 1 to {self.max_new_tokens} "
-                                    "(rollout.max_new_tokens)", param)
+            raise RequestError(400, f"{param}={max_tokens!r}: must be an integer from 1 to "
+                                    f"{self.max_new_tokens} (rollout.max_new_tokens)", param)
         tool_choice = body.get("tool_choice") or "auto"
         if tool_choice not in ("auto", "none"):
             raise RequestError(400, "tool_choice must be 'auto' or 'none': the policy samples freely, and RL "
@@ -208,9 +212,10 @@ class Endpoint:
                 and isinstance(t["function"].get("name"), str) for t in tools)):
             raise RequestError(400, "tools must be a list of {'type': 'function', 'function': {'name': ..., "
                                     "'description': ..., 'parameters': {...}}}", "tools")
+        keys = ("name", "description", "parameters")
         schemas = [] if tool_choice == "none" or not tools else [
-            {"type": "function", "function": {k: t["function"][k] for k in ("name", "description", "parameters")
-                                              if k in t["function"]}} for t in tools]
+            {"type": "function", "function": {k: t["function"][k] for k in keys if k in t["function"]}}
+            for t in tools]
         return Context(self.messages(body.get("messages"), trajectory), schemas, max_tokens), tool_choice
 
     def messages(self, messages, trajectory):
@@ -218,7 +223,7 @@ class Endpoint:
         the model writes them); the assistant messages the endpoint sent, as the text that was sampled."""
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise RequestError(400, "messages must be a non-empty list of message objects", "messages")
-        out, calls_open = [], False  # calls_open: the last message was an assistant's tool calls, or their results
+        out, calls_open = [], False  # calls_open: the last message made tool calls, or answered them
         for i, m in enumerate(messages):
             role, param = m.get("role"), f"messages[{i}]"
             if role in ("system", "developer", "user"):
@@ -235,11 +240,11 @@ class Endpoint:
                                             "message's tool_calls", param)
                 out.append({"role": "tool", "content": text_of(m, param)})
             else:
-                raise RequestError(400, f"{param}.role {role!r} is not system, developer, user, assistant or tool",
-                                   f"{param}.role")
+                raise RequestError(400, f"{param}.role {role!r} is not system, developer, user, assistant or "
+                                        "tool", f"{param}.role")
         if out[-1]["role"] == "assistant":
-            raise RequestError(400, "the last message is the assistant's: a call samples the next assistant turn",
-                               "messages")
+            raise RequestError(400, "the last message is the assistant's: a call samples the next assistant "
+                                    "turn", "messages")
         return out
 
     def assistant_message(self, text, finish_reason, tool_choice, trajectory):
@@ -258,7 +263,7 @@ class Endpoint:
 
 
 def parse_call(body):
-    """(name, arguments) of a <tool_call> body, or None where it is not a call (tools.parse_tool_calls' rule)."""
+    """(name, arguments) of a <tool_call> body, or None where it is not a call (parse_tool_calls' rule)."""
     try:
         obj = json.loads(body)
     except json.JSONDecodeError:
@@ -298,8 +303,8 @@ def normal_assistant(message, param="message"):
     for k, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise RequestError(400, f"{param}.tool_calls[{k}] must be {{'type': 'function', 'function': {{'name', "
-                                    "'arguments'}}}}", f"{param}.tool_calls")
+            raise RequestError(400, f"{param}.tool_calls[{k}] must be {{'type': 'function', 'function': "
+                                    "{'name', 'arguments'}}", f"{param}.tool_calls")
         arguments = function.get("arguments", "{}")
         try:
             arguments = json.loads(arguments) if isinstance(arguments, str) else arguments

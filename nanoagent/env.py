@@ -103,9 +103,9 @@ class ChatEnv:
     def __init__(self, make, tokenizer, schemas=(), max_obs_tokens=512, context="full", keep_turns=2,
                  step_timeout_s=120.0, tool_format="auto", summary_tokens=0):
         if context not in CONTEXTS or keep_turns < 1 or (context == "summary" and summary_tokens < 1):
-            raise ValueError(f"context={context!r}, keep_turns={keep_turns}, summary_tokens={summary_tokens}: "
-                             f"context is one of {', '.join(CONTEXTS)}, keep_turns >= 1, summary_tokens >= 1 "
-                             "with context=summary")
+            raise ValueError(f"context={context!r}, keep_turns={keep_turns}, "
+                             f"summary_tokens={summary_tokens}: context is one of {', '.join(CONTEXTS)}, "
+                             "keep_turns >= 1, summary_tokens >= 1 with context=summary")
         self.make = make
         self.tokenizer = tokenizer
         self.schemas = list(schemas)
@@ -373,7 +373,8 @@ def checked_context(obj, what):
     if unknown:
         raise TypeError(f"{what}'s context has unknown keys {sorted(unknown)} (messages, tools, max_tokens)")
     if not is_messages(messages) or not messages:
-        raise TypeError(f"{what}'s context needs messages: a non-empty list of {{'role': str, 'content': str}}")
+        raise TypeError(f"{what}'s context needs messages: a non-empty list of "
+                        "{'role': str, 'content': str}")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise TypeError(f"{what}'s context tools are not a list of tool schemas")
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)

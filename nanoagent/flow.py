@@ -108,7 +108,9 @@ class FlowEnv:
 
     def __init__(self, run, first_call_s):
         self.run, self.first_call_s = run, first_call_s
-        self.events = queue.Queue()  # ("call", Context, Future of its Reply) | ("return", value) | ("raise", error)
+        # ("call", Context, the Future of its Reply) | ("return", value) | ("raise", error)
+        # | ("stopped", reason)
+        self.events = queue.Queue()
         self.pending = None          # the Future of the call being sampled
         self.stopped = None          # the finish reason, once the trajectory has ended
         self.begun = False
@@ -126,7 +128,7 @@ class FlowEnv:
         return future
 
     def begin(self, row):
-        """Start the flow (start_trajectories starts a batch's flows before it waits for their first calls)."""
+        """Start the flow (start_trajectories starts a batch's flows before it waits for any first call)."""
         threading.Thread(target=self.target, args=(row,), daemon=True).start()
         self.begun = True
 
@@ -144,12 +146,14 @@ class FlowEnv:
 
     def step(self, action):
         self.pending.set_result(Reply(str(action), getattr(action, "finish_reason", "stop"),
-                                      getattr(action, "prompt_tokens", 0), getattr(action, "completion_tokens", 0)))
+                                      getattr(action, "prompt_tokens", 0),
+                                      getattr(action, "completion_tokens", 0)))
         self.pending = None
         event = self.events.get()
         if event[0] == "return":
             outcome, rewards = flow_outcome(event[1])
-            return [], 0.0, True, {"outcome": outcome, **({"step_rewards": rewards} if rewards is not None else {})}
+            per_call = {"step_rewards": rewards} if rewards is not None else {}
+            return [], 0.0, True, {"outcome": outcome, **per_call}
         return self.next_call(event), 0.0, False, {}
 
     def next_call(self, event):
@@ -188,7 +192,8 @@ class FlowError(RuntimeError):
     def __init__(self, error):
         frames = traceback.extract_tb(error.__traceback__)
         where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
-        super().__init__(f"the flow raised {type(error).__name__}{': ' + str(error) if str(error) else ''}{where}")
+        said = f": {error}" if str(error) else ""
+        super().__init__(f"the flow raised {type(error).__name__}{said}{where}")
 
 
 def flow_outcome(value):
@@ -196,11 +201,11 @@ def flow_outcome(value):
     list of numbers)."""
     if finite(value):
         return float(value), None
-    if (isinstance(value, tuple) and len(value) == 2 and finite(value[0]) and isinstance(value[1], (list, tuple))
-            and all(map(finite, value[1]))):
+    if (isinstance(value, tuple) and len(value) == 2 and finite(value[0])
+            and isinstance(value[1], (list, tuple)) and all(map(finite, value[1]))):
         return float(value[0]), [float(r) for r in value[1]]
-    raise TypeError(f"the flow returned {value!r:.80}, not a reward (a finite number) or (reward, [a reward per "
-                    "call])")
+    raise TypeError(f"the flow returned {value!r:.80}, not a reward (a finite number) or (reward, "
+                    "[a reward per call])")
 
 
 def run_flow(flow, flow_env, row):

@@ -18,13 +18,14 @@ from nanoagent.engine import pad_token_id
 from nanoagent.model import load_reference, policy_forward
 
 
-def imitate(policy, env, rows, demonstrate, warm_dir, cfg, rank, world, device):
+def imitate(policy, env, rows, demonstrate, warm_dir, cfg, rank, world, device, summarize=None):
     """
     Warm start by imitation of the task's scripted demonstrations, through the same trajectory
     assembly, forward, mask and loss aggregation as RL: maximise the logprob of the demonstrated
     action tokens (mask = 1), a global token mean. Its own AdamW, so RL's optimizer starts fresh.
     The warm-started policy, where RL starts, is written to warm_dir (a resume reads it back); returns
-    the KL reference read from it (None without a KL term).
+    the KL reference read from it (None without a KL term). summarize: the task's, for the summary turns
+    of rollout.context=summary (scripted_trajectories).
     """
     rng = random.Random(f"{cfg.seed}-demos-{rank}")
     mine = rows[rank::world]
@@ -35,7 +36,7 @@ def imitate(policy, env, rows, demonstrate, warm_dir, cfg, rank, world, device):
     # only the demonstrations drawn are assembled (tokenised, their tool calls run), each once
     drawn = sorted({i for d in draws for i in d})
     demos = dict(zip(drawn, scripted_trajectories(env, [mine[i] for i in drawn],
-                                                  [scripts[i] for i in drawn])))
+                                                  [scripts[i] for i in drawn], summarize)))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.train.warm_start_lr, weight_decay=0.0)
     for step in range(cfg.train.warm_start_steps):
         batch = collate([demos[i] for i in draws[step]], pad_token_id(env.tokenizer))

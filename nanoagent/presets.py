@@ -60,6 +60,23 @@ PRESETS = {
         "train.save_every=0", "train.warm_start_steps=12", "train.warm_start_lr=1e-4",
         "train.warm_start_batch_size=8", "reward.format_weight=0.0", "eval.every=5", "eval.num_prompts=64",
     ],
+    # CPU, minutes: the corridor, where what a turn sees decides the outcome (nanoagent/tasks/corridor.py):
+    # the full history passes the context budget before the door, last_k's window leaves the sign out, a
+    # summary can carry its code; a tiny model whose tokenizer knows the corridor's words, pretrained to
+    # copy, a warm start by imitation under the same context, then GRPO (bench/bench_corridor.py runs the
+    # three)
+    "corridor": [
+        "model=out/corridor/model", "algo=grpo", "steps=10", "run_dir=out/corridor/run", "resume=never",
+        "data.task=corridor", "data.train_path=out/corridor/data/train.parquet",
+        "data.val_path=out/corridor/data/val.parquet", "data.max_prompt_tokens=256",
+        "rollout.prompts_per_step=16", "rollout.group_size=4", "rollout.max_turns=10",
+        "rollout.max_new_tokens=8", "rollout.max_context_tokens=384", "rollout.summary_tokens=250",
+        "rollout.keep_turns=2",
+        "rollout.dtype=float32", "rollout.compile=false", "ppo.mini_batch_size=64", "train.lr=3e-4",
+        "train.micro_batch_tokens=8192", "train.dtype=float32", "train.activation_checkpointing=false",
+        "train.save_every=0", "train.warm_start_steps=1000", "train.warm_start_lr=1e-3",
+        "train.warm_start_batch_size=16", "eval.every=5", "eval.num_prompts=64",
+    ],
     # one GPU node: Qwen2.5-3B-Instruct on HotpotQA with search over Wikipedia (make speedrun)
     "hotpotqa": [
         "model=Qwen/Qwen2.5-3B-Instruct", "algo=grpo", "steps=200", "run_dir=out/hotpotqa",

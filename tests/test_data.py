@@ -228,7 +228,7 @@ def test_prepare_refuses_what_a_task_cannot_do(tmp_path):
     proc = prepare("--task=arithmetic", f"--out={tmp_path / 'a'}")
     assert proc.returncode != 0 and "makes its prompts on the spot" in proc.stderr
     proc = prepare("--task=nosuch", f"--out={tmp_path / 'b'}")
-    assert proc.returncode != 0 and "unknown task 'nosuch'; tasks: arithmetic, gsm8k, hotpotqa, synthetic" in proc.stderr
+    assert proc.returncode != 0 and "unknown task 'nosuch'; tasks: arithmetic, corridor, gsm8k, hotpotqa, openai_agent, synthetic" in proc.stderr
     proc = prepare("--task=synthetic", f"--out={tmp_path / 'c'}", f"--source={tmp_path}")
     assert proc.returncode != 0 and "takes no source" in proc.stderr
 

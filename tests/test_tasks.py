@@ -11,7 +11,7 @@ import pytest
 
 import procs
 from nanoagent.config import ConfigError, make_config
-from nanoagent.tasks import load_task, task_data, task_names
+from nanoagent.tasks import DRIVERS, load_task, task_data, task_names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -54,23 +54,24 @@ def demonstration(row, rng):
 
 
 def test_builtin_tasks_define_the_interface():
-    assert task_names() == ["arithmetic", "gsm8k", "hotpotqa", "synthetic", "textworld"]
+    assert task_names() == ["arithmetic", "corridor", "gsm8k", "hotpotqa", "openai_agent", "synthetic", "textworld"]
     for name in task_names():
         task = load_task(name)
         assert isinstance(task.SYSTEM_PROMPT, str) and "{}" in task.QUESTION
-        assert callable(task.tools or task.environment) and callable(task.prompts) and callable(task.score)
+        assert sum(callable(getattr(task, driver, None)) for driver in DRIVERS) == 1  # what drives its trajectories
+        assert callable(task.prompts) and callable(task.score)
     assert load_task("arithmetic").prepare is None and load_task("hotpotqa").demonstration is None
 
 
 def test_tasks_are_found_by_name_or_path_and_refused_clearly(tmp_path):
-    with pytest.raises(ValueError, match="unknown task 'nosuch'; tasks: arithmetic, gsm8k, hotpotqa, synthetic"):
+    with pytest.raises(ValueError, match="unknown task 'nosuch'; tasks: arithmetic, corridor, gsm8k, hotpotqa, openai_agent, synthetic"):
         load_task("nosuch")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_task(str(tmp_path / "missing.py"))
     (tmp_path / "half.py").write_text("SYSTEM_PROMPT = ''\nQUESTION = '{}'\n")
     with pytest.raises(ValueError, match="does not define prompts, score, demonstration, prepare, tools, environment, flow or agent"):
         load_task(str(tmp_path / "half.py"))
-    with pytest.raises(ConfigError, match="data.task='nosuch': not a task; valid: arithmetic, gsm8k, hotpotqa, synthetic"):
+    with pytest.raises(ConfigError, match="data.task='nosuch': not a task; valid: arithmetic, corridor, gsm8k, hotpotqa, openai_agent, synthetic"):
         make_config("tiny", ["data.task=nosuch"])
 
 

@@ -22,6 +22,8 @@ else about it. A task module defines:
                                   a flow's or an agent's task may leave it out: the reward it returned
     demonstration              None, or (row, rng) -> [assistant turn texts]: a scripted solution
                                   to imitate before RL (train.warm_start_steps)
+    summarize                  optional: (row, messages) -> the demonstrator's summary of messages, for
+                                  demonstrations under rollout.context=summary
     Knobs                      optional: a dataclass of the task's own config keys (task.*), each
                                   declared with nanoagent.keys.opt (arithmetic.py has two)
     prepare(out, train_size, val_size, seed, source)
@@ -90,7 +92,8 @@ def task_env(task, cfg, tokenizer, tools=None):
     driver = "tools" if tools is not None else next(d for d in DRIVERS if getattr(task, d, None) is not None)
     if driver in ("flow", "agent") and r.context != "full":
         raise ConfigError(f"rollout.context={r.context}: a task's {driver} builds every context itself "
-                          "(its history truncated, summarised or rewritten as it likes); leave rollout.context=full")
+                          "(its history truncated, summarised or rewritten as it likes); leave "
+                          "rollout.context=full")
     if driver == "environment":
         env = ChatEnv(task.environment(cfg), tokenizer, (), r.max_obs_tokens, r.context, r.keep_turns,
                       r.step_timeout_s, summary_tokens=r.summary_tokens)

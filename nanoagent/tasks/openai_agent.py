@@ -13,7 +13,7 @@ import re
 from openai import OpenAI
 
 from nanoagent.tasks import arithmetic
-from nanoagent.tools import calculate  # the agent's own tool (here nanoagent's safe calculator), run by the agent
+from nanoagent.tools import calculate  # the agent's own tool (nanoagent's safe calculator), run by the agent
 
 SYSTEM_PROMPT, QUESTION = arithmetic.SYSTEM_PROMPT, arithmetic.QUESTION
 prompts, demonstration, prepare = arithmetic.prompts, arithmetic.demonstration, arithmetic.prepare
@@ -28,7 +28,8 @@ Knobs = arithmetic.Knobs
 CLIENT = OpenAI(base_url="http://unused", api_key="unused")
 TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression, e.g. 12 * 7.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                   "required": ["expression"]}}}]
 
 
 def agent(base_url, row):

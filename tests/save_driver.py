@@ -30,6 +30,11 @@ Lines on stdout: `pid P`, `resumed S`, `export hf K` (the step the export holds;
 when only the copy moved aside is there, `export none`), `begin load|checkpoint|export K`,
 `end load|checkpoint|export K SECONDS`, and from this parent process `exit CODE` when the child ends
 (CODE -9: killed). A failed check is a traceback and `exit 1`.
+
+One writer: a child writes into a pipe of its own, and this parent relays its output a whole line at
+a time, then writes `exit`: the test reads every line whole, in order, however loaded the machine. A
+line a kill cut short comes through as `cut <what was written>` (a relayed line could otherwise glue
+onto the next: "0.1002exit").
 """
 
 import os
@@ -172,8 +177,12 @@ def main():
     transformers.logging.disable_progress_bar()
     for line in sys.stdin:
         steps = int(line.split()[1])
+        read_end, write_end = os.pipe()
         pid = os.fork()
         if pid == 0:
+            os.close(read_end)
+            os.dup2(write_end, 1)  # the child's stdout and stderr: its pipe
+            os.dup2(write_end, 2)
             code = 0
             try:
                 life(run_dir, model_dir, steps)
@@ -183,6 +192,11 @@ def main():
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)  # the child must not go on with this loop or the parent's exit handlers
+        os.close(write_end)
+        with os.fdopen(read_end, errors="replace") as child:
+            for relayed in child:  # until the child's end closes its pipe (a kill included)
+                sys.stdout.write(relayed if relayed.endswith("\n") else f"cut {relayed}\n")
+                sys.stdout.flush()
         _, status = os.waitpid(pid, 0)
         print(f"exit {os.waitstatus_to_exitcode(status)}", flush=True)
 

@@ -288,46 +288,34 @@ def test_a_run_that_trains_nothing_says_so_and_stops(tmp_path):
     assert [m["trained"] for m in map(json.loads, open(tmp_path / "run" / "metrics.jsonl"))] == [0.0, 0.0]
 
 
-def test_partial_rollouts_with_refill_train_within_the_staleness_bound_on_two_ranks(tmp_path):
+def test_an_agent_trains_with_partial_rollouts_and_refill_within_the_staleness_bound_on_two_ranks(tmp_path):
     """
-    rollout.max_staleness=1 with extra groups in flight, and grpo.refill, end to end on 2 ranks, where half
-    the prompts' groups are uniform (tests/half_uniform_task.py, a scripted reward): no trained token is
-    more than one step old, every step trains on rollout.prompts_per_step groups or its line says the spare
-    prompts ran out, and the run ends with its export. Resumed, it goes on without the groups paused at the
-    checkpoint (README: Partial rollouts). (Carrying over, deterministically: test_env.py.)
+    The README's agent written with the openai package (nanoagent/tasks/openai_agent.py), trained unchanged
+    through each rank's endpoint and warm-started through it, with rollout.max_staleness=1, extra groups in
+    flight and grpo.refill, on 2 ranks, where half the prompts' groups are uniform (a scripted reward:
+    tests/half_uniform_agent_task.py). The agents' calls pause and go on under the next step's weights; the
+    engine's logprobs are the trainer's on every token of this step's policy (the rows are what was
+    sampled); no trained token is more than one step old; every step trains on rollout.prompts_per_step
+    groups or its line says the spare prompts ran out. Resumed, it goes on without the groups paused at the
+    checkpoint (README: Partial rollouts) and exports. (Carrying over, deterministically: test_env.py,
+    test_flow.py; partial rollouts of a tool task on 2 ranks: test_learning.py.)
     """
     overrides = ["algo=grpo", "rollout.max_staleness=1", "rollout.extra_prompts=4", "train.tis=true",
                  "grpo.refill=true", "grpo.max_refill=2",
-                 f"data.task={os.path.join(ROOT, 'tests', 'half_uniform_task.py')}"]
+                 f"data.task={os.path.join(ROOT, 'tests', 'half_uniform_agent_task.py')}"]
     first, _ = train(tmp_path / "run", "steps=2", *overrides)
     then, metrics = train(tmp_path / "run", "steps=3", *overrides)
     lines = [line for line in (first + then).splitlines() if line.startswith("step ")]
-    assert [m["step"] for m in metrics] == [1, 2, 3] and len(lines) == 3
+    assert "warm start" in first and [m["step"] for m in metrics] == [1, 2, 3] and len(lines) == 3
     for m, line in zip(metrics, lines):
         assert m["staleness_max"] <= 1 and 0 <= m["staleness"] <= 1, m
         assert m["groups_kept"] >= 4 or "(grpo.max_refill's spare prompts spent)" in line, line
         assert f"| stale {m['staleness']:.2f} carried {m['carried']:.2f} |" in line
+        assert m.get("engine_logprob_diff", 0) <= 1e-4 and m["finish/env_error"] == 0, m
+    assert sum("engine_logprob_diff" in m for m in metrics) >= 2, metrics  # steps trained
     assert sum(m["refills"] for m in metrics) > 0  # step 1's own prompts hold uniform ones (a seeded order)
+    assert metrics[1]["carried"] > 0, metrics  # an agent paused at step 1 went on in step 2
     assert "resumed from" in then and metrics[2]["carried"] == 0 == metrics[2]["staleness"]
-    assert os.path.exists(tmp_path / "run" / "hf" / "config.json")
-
-
-def test_an_openai_agent_trains_with_partial_rollouts_on_two_ranks_and_resumes(tmp_path):
-    """The README's agent written with the openai package (nanoagent/tasks/openai_agent.py; its rewards scripted to
-    vary: tests/alternating_agent_task.py), trained unchanged through each rank's endpoint, warm-started through
-    it, with partial rollouts: its calls pause and go on
-    under the next step's weights, the engine's logprobs are the trainer's on every token of this step's
-    policy (the rows are what was sampled), no trained token is more than a step old; resumed, the run goes
-    on without the groups paused at the checkpoint and exports."""
-    overrides = [f"data.task={os.path.join(ROOT, 'tests', 'alternating_agent_task.py')}", "rollout.max_staleness=1",
-                 "rollout.extra_prompts=4", "train.tis=true"]
-    first, _ = train(tmp_path / "run", "steps=2", *overrides)
-    then, metrics = train(tmp_path / "run", "steps=3", *overrides)
-    assert "warm start" in first and "resumed from" in then and [m["step"] for m in metrics] == [1, 2, 3]
-    for m in metrics:
-        assert m["staleness_max"] <= 1 and m.get("engine_logprob_diff", 0) <= 1e-4 and m["finish/env_error"] == 0, m
-    assert sum("engine_logprob_diff" in m for m in metrics) >= 2, metrics  # some steps trained
-    assert metrics[1]["carried"] > 0 and metrics[2]["carried"] == 0, metrics
     assert os.path.exists(tmp_path / "run" / "hf" / "config.json")
 
 

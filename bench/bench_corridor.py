@@ -46,10 +46,10 @@ def main():
         for context in args.contexts:
             run_dir = os.path.join(args.out, f"{context}-seed{seed}")
             start = time.perf_counter()
-            run([sys.executable, "train.py", "--config=corridor", f"seed={seed}", f"model={model}",
-                 f"run_dir={run_dir}", f"data.train_path={data}/train.parquet",
-                 f"data.val_path={data}/val.parquet",
-                 f"rollout.context={context}", *args.overrides])
+            if not os.path.exists(os.path.join(run_dir, "hf")):  # not run to its end yet
+                run([sys.executable, "train.py", "--config=corridor", f"seed={seed}", f"model={model}",
+                     f"run_dir={run_dir}", f"data.train_path={data}/train.parquet",
+                     f"data.val_path={data}/val.parquet", f"rollout.context={context}", *args.overrides])
             metrics = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
             evals = [m for m in metrics if "eval/won" in m]
             results[seed, context] = (evals[0]["eval/won"], evals[-1]["eval/won"], evals[-1]["eval/door"],

@@ -50,7 +50,7 @@ class _HeadLogprobs(torch.autograd.Function):
     (without grad) the label's logprob renormalised over the top_p nucleus. The [N, V] logits never
     exist: with Qwen's vocabulary, 16k tokens' logits are 5 GB in bf16 and their fp32 softmax 10 GB.
     The forward computes them a chunk of rows at a time ([n, V] in fp32) and keeps only each row's
-    logsumexp and entropy. The backward recomputes them a chunk of vocabulary columns at a time
+    max, log-mass (logsumexp after the max) and entropy, -sum p logp: shift-invariant, as log_softmax. The backward recomputes them a chunk of vocabulary columns at a time
     ([N, c] in fp32): a chunk's logit gradient gives its rows of the weight's gradient whole, in one
     matmul over all N tokens, as the LM head's own backward would, and adds its share to the hidden
     states' gradient ([N, H], summed over the chunks in fp32). The price is the LM head's matmul once
@@ -60,20 +60,24 @@ class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, temperature, top_p, chunk_elements):
         N, V = hidden.shape[0], weight.shape[0]
-        logprobs, entropy, lse, nucleus = (hidden.new_empty(N, dtype=torch.float32) for _ in range(4))
+        logprobs, entropy, top, log_mass, nucleus = (hidden.new_empty(N, dtype=torch.float32) for _ in range(5))
         rows = max(1, chunk_elements // V)
         for s in range(0, N, rows):
             sl = slice(s, s + rows)
             z = F.linear(hidden[sl], weight).float().div_(temperature)                     # [n, V]
-            lse[sl] = torch.logsumexp(z, dim=-1)
-            logprobs[sl] = z.gather(1, labels[sl, None]).squeeze(1) - lse[sl]
+            # shift-invariant, as log_softmax is: logp = (z - max) - log sum exp(z - max), never z - lse,
+            # whose two large terms lose the small difference (fp32 at logits ~1e4: entropy off by ~5)
+            top[sl] = z.amax(-1)
+            logp = z.sub_(top[sl, None])
+            log_mass[sl] = torch.logsumexp(logp, dim=-1)
+            logp.sub_(log_mass[sl, None])                                                  # [n, V]
+            logprobs[sl] = logp.gather(1, labels[sl, None]).squeeze(1)
             if top_p < 1.0:
-                nucleus[sl] = nucleus_of_logprobs(z - lse[sl, None], labels[sl], top_p)
-            p = (z - lse[sl, None]).exp_()
-            entropy[sl] = lse[sl] - (p.unsqueeze(1) @ z.unsqueeze(2)).view(-1)  # H = lse - E_p[z]
+                nucleus[sl] = nucleus_of_logprobs(logp, labels[sl], top_p)
+            entropy[sl] = -logp.exp().mul_(logp).sum(-1)  # -sum p logp, summed pairwise (a dot drifts 1e-3)
         if top_p >= 1.0:
             nucleus.copy_(logprobs)
-        ctx.save_for_backward(hidden, weight, labels, lse, entropy)
+        ctx.save_for_backward(hidden, weight, labels, top, log_mass, entropy)
         ctx.temperature, ctx.chunk_elements = temperature, chunk_elements
         ctx.mark_non_differentiable(nucleus)
         ctx.set_materialize_grads(False)
@@ -81,21 +85,21 @@ class _HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, _):
-        hidden, weight, labels, lse, entropy = ctx.saved_tensors
+        hidden, weight, labels, top, log_mass, entropy = ctx.saved_tensors
         (N, H), V, T = hidden.shape, weight.shape[0], ctx.temperature
-        mean_z = (lse - entropy)[:, None]                                                  # E_p[z] [N, 1]
         grad_hidden = hidden.new_zeros(N, H, dtype=torch.float32)
         grad_weight = torch.empty_like(weight)
         columns = max(1, ctx.chunk_elements // max(N, 1))
         for v in range(0, V, columns):
             w = weight[v:v + columns]                                                      # [c, H]
             z = F.linear(hidden, w).float().div_(T)                                        # [N, c]
-            p = (z - lse[:, None]).exp_()
-            # with z = logits / T: d logp(y)/dz = onehot(y) - p ;  dH/dz = -p * (z - E_p[z])
+            logp = z.sub_(top[:, None]).sub_(log_mass[:, None])                            # as the forward's
+            p = logp.exp()
+            # with z = logits / T: d logp(y)/dz = onehot(y) - p ;  dH/dz = -p * (logp + H)
             if grad_entropy is None:
-                grad = z.zero_()
+                grad = logp.zero_()
             else:
-                grad = z.sub_(mean_z).mul_(p).mul_(-grad_entropy[:, None])
+                grad = logp.add_(entropy[:, None]).mul_(p).mul_(-grad_entropy[:, None])
             if grad_logprobs is not None:
                 grad.sub_(p.mul_(grad_logprobs[:, None]))
                 here = (labels >= v) & (labels < v + len(w))   # the labels in this chunk; no host sync

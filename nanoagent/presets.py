@@ -64,7 +64,7 @@ PRESETS = {
     # the full history passes the context budget before the door, last_k's window leaves the sign out, a
     # summary can carry its code; a tiny model whose tokenizer knows the corridor's words, pretrained to
     # copy, a warm start by imitation under the same context, then GRPO (bench/bench_corridor.py runs the
-    # three)
+    # three); a context that cannot win trains nothing, and the run goes on (train.max_idle_steps=0)
     "corridor": [
         "model=out/corridor/model", "algo=grpo", "steps=10", "run_dir=out/corridor/run", "resume=never",
         "data.task=corridor", "data.train_path=out/corridor/data/train.parquet",
@@ -75,7 +75,7 @@ PRESETS = {
         "rollout.dtype=float32", "rollout.compile=false", "ppo.mini_batch_size=64", "train.lr=3e-4",
         "train.micro_batch_tokens=8192", "train.dtype=float32", "train.activation_checkpointing=false",
         "train.save_every=0", "train.warm_start_steps=1000", "train.warm_start_lr=1e-3",
-        "train.warm_start_batch_size=16", "eval.every=5", "eval.num_prompts=64",
+        "train.warm_start_batch_size=16", "train.max_idle_steps=0", "eval.every=5", "eval.num_prompts=64",
     ],
     # one GPU node: Qwen2.5-3B-Instruct on HotpotQA with search over Wikipedia (make speedrun)
     "hotpotqa": [

@@ -379,6 +379,27 @@ def test_head_logprobs_chunks_change_nothing_but_rounding():
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("offset, scale", [(0.0, 1.0), (20.0, 1.0), (1e4, 30.0)])
+def test_head_entropy_is_shift_invariant_at_large_logits(offset, scale):
+    """Every logit of a row + offset changes no softmax: the fused head's entropy and its gradient stay those
+    of an fp64 log-softmax of the same fp32 logits, at Qwen's vocabulary, where lse - E_p[z] lost them
+    (entropy 6e-3 off at offset 20, 4.8 at 1e4; the one-hot rows' gradient 4e4 where it is ~0)."""
+    N, H, V = 8, 64, 151936
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.cat([torch.randn(N, H, generator=g) * scale, torch.ones(N, 1)], 1)
+    weight = torch.cat([torch.randn(V, H, generator=g) * 0.3, torch.full((V, 1), offset)], 1)  # + offset
+    labels = torch.randint(0, V, (N,), generator=g)
+    x = hidden.clone().requires_grad_(True)
+    _, entropy, _ = head_logprobs(x, weight, labels)
+    grad_x, = torch.autograd.grad(entropy.sum(), x)
+    z = torch.nn.functional.linear(hidden, weight).double().requires_grad_(True)  # the same fp32 logits
+    logp = torch.log_softmax(z, -1)
+    reference = -(logp.exp() * logp).sum(-1)
+    grad_z, = torch.autograd.grad(reference.sum(), z)
+    assert (entropy.double() - reference).abs().max() <= 1e-4
+    assert (grad_x - grad_z.float() @ weight).abs().max() <= 1e-3
+
+
 def test_entropy_gradient_only_when_used():
     """Without an entropy term in the loss (no gradient reaches the entropy output, and its
     backward is skipped), the gradient is that of the logprobs alone."""

@@ -170,7 +170,8 @@ class TrainConfig:
     kl_coef: float = opt(0.001, "KL coefficient", low=0)
     entropy_coef: float = opt(0.0, "entropy bonus coefficient (negative: an entropy penalty)")
     tis: bool = opt(False, "truncated importance sampling for engine-vs-trainer logprob mismatch")
-    tis_cap: float = opt(2.0, "cap of the importance weights", low=1)
+    tis_cap: float = opt(2.0, "cap of the importance weights: a larger weight is truncated to it (verl's "
+                         "TIS; AReaL's decoupled PPO drops such a token instead)", low=1)
     overlong_filter: bool = opt(
         False, "leave trajectories cut by the token or context budget (finish reason truncated or "
         "context_budget) out of the update (DAPO's overlong filtering); logged as dropped_overlong")

@@ -366,7 +366,7 @@ def main(argv=None):
 
     export_dir = os.path.join(cfg.run_dir, "hf")
     dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
-    export_hf(policy, tokenizer, export_dir, dtype)
+    export_hf(policy, tokenizer, export_dir, dtype, base=warm_dir if os.path.isdir(warm_dir) else model_path)
     print0(f"exported {export_dir} in {cfg.train.dtype}, every tensor checked against the trainer's")
     env.close()
     return 0

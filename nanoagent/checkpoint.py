@@ -34,8 +34,14 @@ computes with, not the fp32 master copy), saved with save_pretrained (safetensor
 tokenizer and its chat template, then loaded back with transformers and compared bitwise, tensor
 by tensor, before it replaces the previous export: an export that loads but holds other weights
 must not pass silently.
+
+LoRA: checkpoints hold what trains (the adapters, a critic's value head) and its optimizer state,
+megabytes where a full AdamW state is gigabytes; the base is the model, or the warm start's export.
+The export is the merged model, with the adapter in peft's format in its folder `adapter/`
+(PeftModel.from_pretrained over the base it names).
 """
 
+import copy
 import json
 import os
 import random
@@ -47,6 +53,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -55,10 +62,19 @@ from transformers import AutoModelForCausalLM
 from nanoagent.common import print0
 from nanoagent.config import ConfigError, flatten, saved_keys, to_dict
 from nanoagent.keys import fixed_keys
+from nanoagent.model import merged_state_dict
 from nanoagent.safe_load import CheckedPlanner, CheckedReader
 
 STEP_DIR = re.compile(r"^step_(\d{6})(\.old|\.tmp)?$")
 MARKER = "COMPLETE"
+
+
+def trained_state_dict(model):
+    """What a checkpoint holds of a model: its state dict's parameters that train (all of them, but
+    for LoRA's frozen base). Filtered by name: get_model_state_dict's ignore_frozen_params keeps a
+    frozen tied weight under its second name (lm_head.weight)."""
+    trained = {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return {name: t for name, t in get_model_state_dict(model).items() if name in trained}
 
 
 class CheckpointError(RuntimeError):
@@ -222,7 +238,7 @@ def save_checkpoint(run_dir, step, models, optimizers, extra, config, keep_last=
     dist.barrier()
     state = {}
     for name, model in models.items():
-        state[f"{name}/model"] = get_model_state_dict(model)
+        state[f"{name}/model"] = trained_state_dict(model)
         state[f"{name}/optim"] = get_optimizer_state_dict(model, optimizers[name])
     # each rank fsyncs the files it writes (DCP's sync_files)
     dcp.save(state, checkpoint_id=final + ".tmp")
@@ -303,7 +319,7 @@ def load_checkpoint(path, models, optimizers):
         raise CheckpointError(f"{path} does not load: {error}")
     state = {}
     for name, model in models.items():
-        state[f"{name}/model"] = get_model_state_dict(model)
+        state[f"{name}/model"] = trained_state_dict(model)
         state[f"{name}/optim"] = get_optimizer_state_dict(model, optimizers[name])
     try:
         dcp.load(state, storage_reader=CheckedReader(path), planner=CheckedPlanner())
@@ -313,7 +329,7 @@ def load_checkpoint(path, models, optimizers):
     if error := _agree(error):
         raise CheckpointError(f"{path} does not load: {error}")
     for name, model in models.items():
-        set_model_state_dict(model, state[f"{name}/model"])
+        set_model_state_dict(model, state[f"{name}/model"], options=StateDictOptions(strict=False))
         set_optimizer_state_dict(model, optimizers[name], state[f"{name}/optim"])
     _set_rng_state(saved["rng"])
     return saved["step"], saved["extra"]
@@ -338,18 +354,36 @@ def load_latest(run_dir, models, optimizers):
     return None, 0, None
 
 
-def export_hf(model, tokenizer, out_dir, dtype):
+def save_adapter(full, lora, base, folder):
+    """The LoRA adapter of a full state dict in peft's format: adapter_config.json (base: the model it
+    adapts) and adapter_model.safetensors, under PeftModel's names."""
+    adapter = {"base_model.model." + name.replace(".default.", "."): tensor.contiguous()
+               for name, tensor in full.items() if ".lora_" in name}
+    os.makedirs(folder)
+    save_file(adapter, os.path.join(folder, "adapter_model.safetensors"))
+    config = copy.copy(lora)
+    config.base_model_name_or_path, config.task_type = base, "CAUSAL_LM"
+    config.save_pretrained(folder)
+
+
+def export_hf(model, tokenizer, out_dir, dtype, base=None):
     """
     Write the full policy to a Hugging Face folder that transformers and vLLM load (safetensors in
     `dtype`, the trainer's compute dtype; configs; tokenizer with its chat template), replacing
-    out_dir only once verify_export has passed. Collective.
+    out_dir only once verify_export has passed; with LoRA, merged, and with base (the model the adapter
+    adapts) the adapter in `adapter/`. Collective.
     """
     # the full state dict on rank 0 (in CPU memory), {} on the other ranks
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     out_dir = os.path.normpath(out_dir)
     if dist.get_rank() == 0:
-        full = {name: tensor.to(dtype) for name, tensor in full.items()}
         _restore(out_dir)
+        lora = getattr(model, "lora_config", None)  # a Policy's (a plain LM has none)
+        if lora is not None and base is not None:
+            save_adapter(full, lora, base, os.path.join(out_dir + ".tmp", "adapter"))
+        if lora is not None:
+            full = merged_state_dict(full, lora)
+        full = {name: tensor.to(dtype) for name, tensor in full.items()}
         with torch.device("meta"):
             clean = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
         clean.load_state_dict(full, assign=True, strict=False)
@@ -359,9 +393,10 @@ def export_hf(model, tokenizer, out_dir, dtype):
         tokenizer.save_pretrained(out_dir + ".tmp")
     verify_export(full, out_dir + ".tmp", dtype)
     if dist.get_rank() == 0:
-        for name in os.listdir(out_dir + ".tmp"):
-            _fsync(os.path.join(out_dir + ".tmp", name))
-        _fsync(out_dir + ".tmp")
+        for folder, _, names in os.walk(out_dir + ".tmp", topdown=False):
+            for name in names:
+                _fsync(os.path.join(folder, name))
+            _fsync(folder)
         _move_into_place(out_dir)
     dist.barrier()
 

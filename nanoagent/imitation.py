@@ -15,7 +15,7 @@ from nanoagent.batch import collate, micro_steps
 from nanoagent.checkpoint import export_hf
 from nanoagent.common import all_reduce, print0
 from nanoagent.engine import pad_token_id
-from nanoagent.model import load_reference, policy_forward
+from nanoagent.model import load_reference, merge_adapters, policy_forward
 
 
 def imitate(policy, env, rows, demonstrate, warm_dir, cfg, rank, world, device, summarize=None):
@@ -24,7 +24,9 @@ def imitate(policy, env, rows, demonstrate, warm_dir, cfg, rank, world, device, 
     assembly, forward, mask and loss aggregation as RL: maximise the logprob of the demonstrated
     action tokens (mask = 1), a global token mean. Its own AdamW, so RL's optimizer starts fresh.
     The warm-started policy, where RL starts, is written to warm_dir (a resume reads it back); returns
-    the KL reference read from it (None without a KL term). summarize: the task's, for the summary turns
+    the KL reference read from it (None without a KL term). With LoRA the adapters are trained, then
+    merged into the base (model.merge_adapters): RL's adapters start from B = 0 on the warm-started
+    policy, which is also their base and the KL reference. summarize: the task's, for the summary turns
     of rollout.context=summary (scripted_trajectories).
     """
     rng = random.Random(f"{cfg.seed}-demos-{rank}")
@@ -37,7 +39,8 @@ def imitate(policy, env, rows, demonstrate, warm_dir, cfg, rank, world, device, 
     drawn = sorted({i for d in draws for i in d})
     demos = dict(zip(drawn, scripted_trajectories(env, [mine[i] for i in drawn],
                                                   [scripts[i] for i in drawn], summarize)))
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.train.warm_start_lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.train.warm_start_lr,
+                                  weight_decay=0.0)
     for step in range(cfg.train.warm_start_steps):
         batch = collate([demos[i] for i in draws[step]], pad_token_id(env.tokenizer))
         rows = list(range(len(batch["lengths"])))
@@ -58,5 +61,8 @@ def imitate(policy, env, rows, demonstrate, warm_dir, cfg, rank, world, device, 
         if step % 20 == 0 or step == cfg.train.warm_start_steps - 1:
             print0(f"warm start {step + 1:4d}/{cfg.train.warm_start_steps} | nll {loss_sum:.4f} | "
                    f"{batch_size:.0f} demonstrations")
-    export_hf(policy, env.tokenizer, warm_dir, getattr(torch, cfg.train.dtype))
-    return load_reference(cfg, warm_dir, device)
+    dtype = getattr(torch, cfg.train.dtype)
+    if policy.lora_config is not None:
+        merge_adapters(policy, dtype)
+    export_hf(policy, env.tokenizer, warm_dir, dtype)
+    return load_reference(cfg, warm_dir, policy, device)

@@ -185,6 +185,16 @@ class TrainConfig:
     compile: bool = opt(
         False, "torch.compile each decoder layer's norms and MLP (policy and critic; dynamic shapes, the "
         "attention eager); the same on CPU and GPU, where it fuses their element-wise kernels")
+    lora_rank: int = opt(
+        0, "rank of the LoRA adapters trained in place of the whole model (0: full fine-tuning); the base "
+        "weights stay frozen, the KL reference is the base with the adapters off, checkpoints hold the "
+        "adapters only", low=0, fixed=True)
+    lora_alpha: float = opt(
+        32.0, "LoRA's alpha: the adapters' update is scaled by lora_alpha / lora_rank", above=0, fixed=True)
+    lora_targets: str = opt(
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        "the linear layers given adapters, by name, comma-separated (default: all of attention and MLP)",
+        fixed=True)
     save_every: int = opt(50, "checkpoint every N steps (0: only at the end and on SIGTERM)", low=0)
     keep_last: int = opt(
         2, "complete checkpoints kept in run_dir (0: all); older ones are deleted once a new one is complete",

@@ -4,6 +4,11 @@ the policy (a Hugging Face causal LM, its LM head fused with the logprob), the c
 backbone plus a scalar value head, its own weights) and the reference (a frozen copy of the initial
 policy, only with a KL term).
 
+LoRA (train.lora_rank > 0): peft's adapters in every targeted linear layer of the backbone, the base
+weights frozen (the critic's value head is trained whole). What a full fine-tune needs twice costs
+nothing then: the KL reference is the policy with its adapters switched off (BaseModel), and the
+engine gets the merged weights W + (alpha / r) B A, the same names and shapes as a full model's.
+
 Loading at scale: a 7B model in fp32 is 30 GB, and eight ranks each building one on the host is 240 GB.
 So every model is built on the meta device, sharded with FSDP2, allocated shard by shard, and filled by
 broadcast from rank 0, the only rank that reads the checkpoint.
@@ -28,18 +33,22 @@ row), fused with the log-softmax and entropy a chunk at a time, so that no token
 tensor is ever made (Policy); the value head runs only where a value is read.
 """
 
+import math
 import os
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from accelerate import init_empty_weights
+from peft import LoraConfig, inject_adapter_in_model
+from peft.tuners.lora import LoraLayer
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
 from nanoagent.batch import micro_steps, unpack
+from nanoagent.config import ConfigError
 from nanoagent.logprobs import head_logprobs
 
 # the trainer's attention implementation (packed_attention), by its name in transformers
@@ -133,15 +142,16 @@ class Policy(nn.Module):
     entropy (logprobs.head_logprobs), so that the logits of a micro-batch's action tokens ([N, V], 5 GB
     in bf16 for 16k tokens of Qwen's vocabulary) are never made. It holds the LM's own modules under the
     LM's own names (model.*, lm_head.*): its state dict, checkpoints, the weight push and the export
-    are the LM's. An LM head with a bias is refused (Qwen2 and Llama have none).
+    are the LM's. An LM head with a bias is refused (Qwen2 and Llama have none). lora_config: peft's
+    LoraConfig of the adapters in lm.model, None for full fine-tuning.
     """
 
-    def __init__(self, lm):
+    def __init__(self, lm, lora_config=None):
         super().__init__()
         if lm.lm_head.bias is not None:
             raise ValueError("Policy: the LM head has a bias; head_logprobs computes hidden @ weight.T only")
         self.model, self.lm_head, self.config = lm.model, lm.lm_head, lm.config
-        self.generation_config = lm.generation_config
+        self.generation_config, self.lora_config = lm.generation_config, lora_config
 
     def forward(self, input_ids, position_ids, at, labels, temperature=1.0, top_p=1.0):
         """(logprobs, entropy, nucleus) [N] fp32 of labels [N] predicted at the positions `at` ([N]) of
@@ -151,13 +161,35 @@ class Policy(nn.Module):
         return head_logprobs(hidden[0, at], self.lm_head.weight, labels, temperature, top_p)  # [N] x 3
 
 
+class BaseModel:
+    """
+    The policy with its LoRA adapters switched off: the base model they adapt, called as the policy is
+    (policy_forward), the KL reference without a second copy of the weights. The switch is peft's flag
+    that its layers' forward reads, set directly: peft's enable_adapters also flips the adapters'
+    requires_grad, and FSDP2 makes a parameter's unsharded copy once, with the flag it had then.
+    """
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.adapted = [m for m in policy.modules() if isinstance(m, LoraLayer)]
+
+    def __call__(self, *args):
+        for layer in self.adapted:
+            layer._disable_adapters = True
+        try:
+            return self.policy(*args)
+        finally:
+            for layer in self.adapted:
+                layer._disable_adapters = False
+
+
 class Critic(nn.Module):
     """Backbone of the pretrained LM (without its LM head) + a linear value head, zero-initialised
     so the first values are 0 and the first advantages are the plain returns."""
 
-    def __init__(self, lm):
+    def __init__(self, lm, lora_config=None):
         super().__init__()
-        self.backbone = lm.model
+        self.backbone, self.lora_config = lm.model, lora_config
         self.value_head = nn.Linear(lm.config.hidden_size, 1, dtype=torch.float32)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
@@ -236,22 +268,114 @@ def shard(model, compute_dtype=torch.float32, activation_checkpointing=False, co
     return model.train()
 
 
-def empty_lm(config, dtype):
+def lora_config(train):
+    """peft's LoraConfig of train.lora_rank, lora_alpha and lora_targets; None for full fine-tuning."""
+    if not train.lora_rank:
+        return None
+    targets = [name.strip() for name in train.lora_targets.split(",") if name.strip()]
+    return LoraConfig(r=train.lora_rank, lora_alpha=train.lora_alpha, target_modules=targets, lora_dropout=0.0,
+                      bias="none")
+
+
+def empty_lm(config, dtype, lora=None):
     """The LM's structure with its parameters on the meta device (no memory) and its buffers, such
-    as the rotary frequencies that checkpoints do not hold, computed for real."""
+    as the rotary frequencies that checkpoints do not hold, computed for real; with lora (a LoraConfig),
+    peft's adapters in the backbone's targeted linear layers, each target matching at least one."""
     with init_empty_weights():
         lm = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=PACKED)
     # init_empty_weights unties the embedding and the LM head; the config says whether they are one
     lm.tie_weights()
+    if lora is not None:
+        linear = {name.rpartition(".")[2] for name, m in lm.model.named_modules() if isinstance(m, nn.Linear)}
+        if missing := sorted(set(lora.target_modules) - linear):
+            raise ConfigError(f"train.lora_targets: {', '.join(missing)} is no linear layer of "
+                              f"{config.model_type}'s backbone (it has {', '.join(sorted(linear))})")
+        inject_adapter_in_model(lora, lm.model)
     return lm
 
 
+def train_adapters_only(model):
+    """With LoRA: only the adapters (and a critic's value head) train; the base weights are frozen."""
+    if model.lora_config is not None:
+        for name, param in model.named_parameters():
+            param.requires_grad_(".lora_" in name or name.startswith("value_head."))
+    return model
+
+
+def adapted_weights(model, weights, seed):
+    """
+    Rank 0's full state dict (`weights`, the LM's names) for a model with LoRA adapters: the base
+    weights under peft's names (`q_proj.base_layer.weight`), A initialised as peft does (Kaiming
+    uniform, seeded), B zero, so that the adapted model starts as the base model exactly. Unchanged
+    without adapters or off rank 0 ({}).
+    """
+    if not weights or model.lora_config is None:
+        return weights
+    generator, out = torch.Generator().manual_seed(seed), {}
+    for name, meta in model.state_dict().items():
+        if ".lora_A." in name:
+            out[name] = nn.init.kaiming_uniform_(torch.empty(meta.shape), a=math.sqrt(5), generator=generator)
+        elif ".lora_B." in name:
+            out[name] = torch.zeros(meta.shape)
+        else:
+            out[name] = weights[name.replace(".base_layer.", ".")]
+    return out
+
+
+def gathered(param):
+    """A parameter's full tensor: its shards all-gathered (FSDP2), or itself."""
+    return param.full_tensor() if hasattr(param, "full_tensor") else param.data
+
+
+def merged_weight(layer):
+    """A LoRA linear layer's weight with its adapter merged in, W + (alpha / r) B A: [out, in], full (its
+    shards gathered)."""
+    weight, a, b = (gathered(p) for p in (layer.base_layer.weight, layer.lora_A["default"].weight,
+                                          layer.lora_B["default"].weight))
+    return weight + layer.scaling["default"] * (b @ a)
+
+
+def merged_state_dict(full, lora):
+    """A full state dict of a model with LoRA adapters (peft's names) -> the LM's: each adapted weight
+    merged as merged_weight does (alpha / r the scaling), the adapters gone."""
+    scaling, out = lora.lora_alpha / lora.r, {}
+    for name, tensor in full.items():
+        layer, _, kind = name.partition(".base_layer.")
+        if kind == "weight":
+            a, b = full[f"{layer}.lora_A.default.weight"], full[f"{layer}.lora_B.default.weight"]
+            out[f"{layer}.weight"] = tensor + scaling * (b @ a)
+        elif ".lora_" not in name:
+            out[name.replace(".base_layer.", ".")] = tensor
+    return out
+
+
+@torch.no_grad()
+def merge_adapters(policy, dtype):
+    """
+    Merge the adapters into the frozen base weights in place, W <- W + (alpha / r) B A rounded to the
+    compute dtype (all a frozen weight is ever computed in: a resume reads it back from the export in
+    that dtype, the same values), then B <- 0: the adapted policy is the same function, and its base
+    is now it (a warm start's result, RL's KL reference). Each rank adds its rows: FSDP2 shards W
+    [out, in] and B [out, r] by rows alike.
+    """
+    for layer in policy.modules():
+        if isinstance(layer, LoraLayer):
+            weight, a, b = (layer.base_layer.weight, layer.lora_A["default"].weight,
+                            layer.lora_B["default"].weight)
+            local = weight.to_local()
+            local.add_(layer.scaling["default"] * (b.to_local() @ a.full_tensor()))
+            local.copy_(local.to(dtype))
+            b.to_local().zero_()
+
+
 def build_sharded(model, weights, device, compute_dtype, activation_checkpointing=False,
-                  compile_layers=False):
+                  compile_layers=False, seed=0):
     """
     An empty model (meta parameters, real buffers) sharded, allocated on the device shard by shard,
-    and filled from rank 0's `weights` (a full state dict; {} on the other ranks) by broadcast.
+    and filled from rank 0's `weights` (a full state dict; {} on the other ranks) by broadcast, its
+    LoRA adapters (if any) initialised from seed.
     """
+    weights = adapted_weights(model, weights, seed)
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     shard(model, compute_dtype, activation_checkpointing, compile_layers)
     model.to_empty(device=device)
@@ -264,19 +388,23 @@ def build_sharded(model, weights, device, compute_dtype, activation_checkpointin
     return model
 
 
-def build_policy(config, weights, device, compute_dtype, activation_checkpointing, compile_layers=False):
-    """The policy: fp32 master weights, computed in compute_dtype."""
-    return build_sharded(Policy(empty_lm(config, torch.float32)), weights, device, compute_dtype,
-                         activation_checkpointing, compile_layers)
+def build_policy(config, weights, device, compute_dtype, activation_checkpointing, compile_layers=False,
+                 lora=None, seed=0):
+    """The policy: fp32 master weights, computed in compute_dtype; with lora, its adapters train alone."""
+    policy = train_adapters_only(Policy(empty_lm(config, torch.float32, lora), lora))
+    return build_sharded(policy, weights, device, compute_dtype, activation_checkpointing, compile_layers, seed)
 
 
-def build_critic(config, weights, device, compute_dtype, activation_checkpointing, compile_layers=False):
-    """The critic: the LM's backbone weights (`model.*` -> `backbone.*`) and a zero value head."""
-    critic = Critic(empty_lm(config, torch.float32))
+def build_critic(config, weights, device, compute_dtype, activation_checkpointing, compile_layers=False,
+                 lora=None, seed=0):
+    """The critic: the LM's backbone weights (`model.*` -> `backbone.*`) and a zero value head; with lora,
+    adapters of its own and the value head train."""
+    critic = train_adapters_only(Critic(empty_lm(config, torch.float32, lora), lora))
     if weights:  # rank 0
         weights = {"backbone." + k[len("model."):]: v for k, v in weights.items() if k.startswith("model.")}
         weights.update({f"value_head.{k}": v for k, v in critic.value_head.state_dict().items()})
-    return build_sharded(critic, weights, device, compute_dtype, activation_checkpointing, compile_layers)
+    return build_sharded(critic, weights, device, compute_dtype, activation_checkpointing, compile_layers,
+                         seed + 1)
 
 
 def build_reference(config, weights, device, compute_dtype):
@@ -287,34 +415,39 @@ def build_reference(config, weights, device, compute_dtype):
 
 
 def build_models(cfg, model_path, warm_dir, device):
-    """Policy, critic (ppo), frozen reference (with a KL term) and their AdamW optimizers, built
-    sharded from rank 0's copy of the weights. bf16 compute means the same on a CPU as on a GPU.
-    The reference is the policy RL starts from: a resumed run's warm_dir when it has one, else the
-    model; on a fresh start with a warm start (warm_dir None) the warm start returns it."""
-    compute_dtype = getattr(torch, cfg.train.dtype)
+    """Policy, critic (ppo), frozen reference (with a KL term) and their AdamW optimizers (over what
+    trains), built sharded from rank 0's copy of the weights. bf16 compute means the same on a CPU as
+    on a GPU. The reference is the policy RL starts from: a resumed run's warm_dir when it has one,
+    else the model; on a fresh start with a warm start (warm_dir None) the warm start returns it. With
+    LoRA it is the policy's base (BaseModel), which a resumed warm-started run reads from warm_dir."""
+    compute_dtype, lora = getattr(torch, cfg.train.dtype), lora_config(cfg.train)
     config, weights = training_config(model_path), read_weights(model_path)
+    warm_started = warm_dir is not None and os.path.isdir(warm_dir)  # a resumed run that warm-started
     checkpointing = cfg.train.checkpoint_every if cfg.train.activation_checkpointing else 0
-    models = {"policy": build_policy(config, weights, device, compute_dtype, checkpointing,
-                                     cfg.train.compile)}
+    models = {"policy": build_policy(config, read_weights(warm_dir) if lora and warm_started else weights,
+                                     device, compute_dtype, checkpointing, cfg.train.compile, lora, cfg.seed)}
     if cfg.algo == "ppo":
         models["critic"] = build_critic(config, weights, device, compute_dtype, checkpointing,
-                                        cfg.train.compile)
+                                        cfg.train.compile, lora, cfg.seed)
     ref = None  # a fresh start's warm start returns its own, the warm-started policy (imitation.imitate)
-    if warm_dir is not None and os.path.isdir(warm_dir):  # a resumed run that warm-started
-        ref = load_reference(cfg, warm_dir, device)
+    if warm_started or lora:
+        ref = load_reference(cfg, warm_dir, models["policy"], device)
     elif cfg.train.kl_mode != "none" and (warm_dir is not None or not cfg.train.warm_start_steps):
         ref = build_reference(config, weights, device, compute_dtype)  # the model: the weights read above
-    optimizers = {name: torch.optim.AdamW(m.parameters(),
+    optimizers = {name: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad],
                                           lr=cfg.train.lr if name == "policy" else cfg.ppo.critic_lr,
                                           weight_decay=cfg.train.weight_decay)
                   for name, m in models.items()}
     return models, ref, optimizers
 
 
-def load_reference(cfg, path, device):
-    """The frozen KL reference, read from the Hugging Face folder at path; None without a KL term."""
+def load_reference(cfg, path, policy, device):
+    """The frozen KL reference: the policy's base with LoRA, else read from the Hugging Face folder at
+    path; None without a KL term."""
     if cfg.train.kl_mode == "none":
         return None
+    if policy.lora_config is not None:
+        return BaseModel(policy)
     return build_reference(training_config(path), read_weights(path), device, getattr(torch, cfg.train.dtype))
 
 
@@ -336,9 +469,17 @@ def full_tensors(model):
     """(name, full tensor) for every parameter, all-gathered one at a time: every rank's engine
     gets the whole model without any rank holding a second full copy at once. Tied parameters
     are sent under each of their names: vLLM's CPU backend keeps a repacked copy of the LM head
-    that is not updated through the embedding."""
+    that is not updated through the embedding. A LoRA layer's weight is sent merged, under the LM's
+    name (merged_weight)."""
+    adapted = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
     for name, param in model.named_parameters(remove_duplicate=False):
-        yield name, param.full_tensor() if hasattr(param, "full_tensor") else param.data
+        layer, _, kind = name.partition(".base_layer.")
+        if ".lora_" in name:
+            continue
+        if kind == "weight":
+            yield f"{layer}.weight", merged_weight(adapted[layer])
+        else:
+            yield name.replace(".base_layer.", "."), gathered(param)
 
 
 def read_positions(position_ids, needed):

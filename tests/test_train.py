@@ -38,20 +38,23 @@ def train(run_dir, *overrides, nproc=2, env_cache=None, script="train.py"):
     return proc.stdout, [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
 
 
-@pytest.mark.parametrize("algo", ["ppo", "grpo"])
-def test_two_steps_push_export_in_bf16(algo, tmp_path):
+@pytest.mark.parametrize("algo,lora_rank", [("ppo", 0), ("grpo", 0), ("ppo", 8), ("grpo", 8)],
+                         ids=["ppo", "grpo", "ppo-lora", "grpo-lora"])
+def test_two_steps_push_export_in_bf16(algo, lora_rank, tmp_path):
     """What a GPU run does, on 2 CPU ranks: bf16 mixed precision (trainer and engine), activation
     checkpointing, models built on the meta device from rank 0's copy, a fresh model cache (the
     ranks build the tiny model at the same time). PPO runs with step-level credit (ppo.credit=step;
     token-level PPO runs on 2 ranks in test_resume_gives_the_same_next_step). GRPO with the layers' norms and
-    MLPs compiled (train.compile), as a GPU run would."""
+    MLPs compiled (train.compile), as a GPU run would. With LoRA adapters (lora_rank 8: the warm start's merged
+    into the base, the KL reference that base, the engine given merged weights, the critic adapters of its own)
+    and full fine-tuning."""
     # a small token budget gives the ranks different numbers of micro-batches, which they must keep in step;
     # the scripted reward (1, 0, 1, 0 within each group) makes the rewards vary whatever this CPU's bf16 sampled;
     # a shorter warm start than QUICK's (a bf16 step is ~10x an fp32 one on a CPU without bf16 units) still makes some tool calls
     out, metrics = train(tmp_path / "run", f"algo={algo}", "steps=2", "train.warm_start_steps=10", "train.warm_start_lr=3e-3",
                          "train.micro_batch_tokens=600", "train.dtype=bfloat16",
                          f"data.task={os.path.join(ROOT, 'tests', 'alternating_task.py')}",
-                         "rollout.dtype=bfloat16", "train.activation_checkpointing=true",
+                         "rollout.dtype=bfloat16", "train.activation_checkpointing=true", f"train.lora_rank={lora_rank}",
                          *(["train.kl_mode=loss", "train.overlong_filter=true", "train.compile=true"]
                            if algo == "grpo" else ["train.kl_mode=reward", "ppo.credit=step"]),
                          env_cache=str(tmp_path / "cache"))
@@ -70,6 +73,7 @@ def test_two_steps_push_export_in_bf16(algo, tmp_path):
     if algo == "ppo":
         assert steps[0]["vf_loss"] > 0
     assert "step    2/2" in out and "exported" in out
+    assert os.path.isdir(tmp_path / "run" / "hf" / "adapter") == bool(lora_rank)
     # the export loads in transformers and vLLM and both give the same logprobs
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import LLM, SamplingParams

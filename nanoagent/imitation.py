@@ -61,8 +61,7 @@ def imitate(policy, env, rows, demonstrate, warm_dir, cfg, rank, world, device, 
         if step % 20 == 0 or step == cfg.train.warm_start_steps - 1:
             print0(f"warm start {step + 1:4d}/{cfg.train.warm_start_steps} | nll {loss_sum:.4f} | "
                    f"{batch_size:.0f} demonstrations")
-    dtype = getattr(torch, cfg.train.dtype)
     if policy.lora_config is not None:
-        merge_adapters(policy, dtype)
-    export_hf(policy, env.tokenizer, warm_dir, dtype)
+        merge_adapters(policy)
+    export_hf(policy, env.tokenizer, warm_dir, getattr(torch, cfg.train.dtype))
     return load_reference(cfg, warm_dir, policy, device)

@@ -294,11 +294,15 @@ def empty_lm(config, dtype, lora=None):
     return lm
 
 
-def train_adapters_only(model):
-    """With LoRA: only the adapters (and a critic's value head) train; the base weights are frozen."""
+def train_adapters_only(model, compute_dtype):
+    """With LoRA: only the adapters (and a critic's value head) train, in fp32; the base weights are
+    frozen and stored in the compute dtype, all they are ever computed in (no fp32 master copy: a 7B
+    base is 15 GB in bf16, not 30)."""
     if model.lora_config is not None:
         for name, param in model.named_parameters():
             param.requires_grad_(".lora_" in name or name.startswith("value_head."))
+            if not param.requires_grad:
+                param.data = param.data.to(compute_dtype)
     return model
 
 
@@ -350,21 +354,19 @@ def merged_state_dict(full, lora):
 
 
 @torch.no_grad()
-def merge_adapters(policy, dtype):
+def merge_adapters(policy):
     """
-    Merge the adapters into the frozen base weights in place, W <- W + (alpha / r) B A rounded to the
-    compute dtype (all a frozen weight is ever computed in: a resume reads it back from the export in
-    that dtype, the same values), then B <- 0: the adapted policy is the same function, and its base
-    is now it (a warm start's result, RL's KL reference). Each rank adds its rows: FSDP2 shards W
-    [out, in] and B [out, r] by rows alike.
+    Merge the adapters into the frozen base weights in place, W <- W + (alpha / r) B A (rounded to the
+    base's dtype, the compute dtype: a resume reads it back from the export in that dtype, the same
+    values), then B <- 0: the adapted policy is the same function, and its base is now it (a warm
+    start's result, RL's KL reference). Each rank adds its rows: FSDP2 shards W [out, in] and B
+    [out, r] by rows alike.
     """
     for layer in policy.modules():
         if isinstance(layer, LoraLayer):
             weight, a, b = (layer.base_layer.weight, layer.lora_A["default"].weight,
                             layer.lora_B["default"].weight)
-            local = weight.to_local()
-            local.add_(layer.scaling["default"] * (b.to_local() @ a.full_tensor()))
-            local.copy_(local.to(dtype))
+            weight.to_local().add_(layer.scaling["default"] * (b.to_local() @ a.full_tensor()))
             b.to_local().zero_()
 
 
@@ -390,8 +392,9 @@ def build_sharded(model, weights, device, compute_dtype, activation_checkpointin
 
 def build_policy(config, weights, device, compute_dtype, activation_checkpointing, compile_layers=False,
                  lora=None, seed=0):
-    """The policy: fp32 master weights, computed in compute_dtype; with lora, its adapters train alone."""
-    policy = train_adapters_only(Policy(empty_lm(config, torch.float32, lora), lora))
+    """The policy: fp32 master weights, computed in compute_dtype; with lora, its adapters train alone
+    (train_adapters_only)."""
+    policy = train_adapters_only(Policy(empty_lm(config, torch.float32, lora), lora), compute_dtype)
     return build_sharded(policy, weights, device, compute_dtype, activation_checkpointing, compile_layers, seed)
 
 
@@ -399,7 +402,7 @@ def build_critic(config, weights, device, compute_dtype, activation_checkpointin
                  lora=None, seed=0):
     """The critic: the LM's backbone weights (`model.*` -> `backbone.*`) and a zero value head; with lora,
     adapters of its own and the value head train."""
-    critic = train_adapters_only(Critic(empty_lm(config, torch.float32, lora), lora))
+    critic = train_adapters_only(Critic(empty_lm(config, torch.float32, lora), lora), compute_dtype)
     if weights:  # rank 0
         weights = {"backbone." + k[len("model."):]: v for k, v in weights.items() if k.startswith("model.")}
         weights.update({f"value_head.{k}": v for k, v in critic.value_head.state_dict().items()})

@@ -86,6 +86,19 @@ PRESETS = {
         "rollout.max_turns=4", "rollout.max_new_tokens=512", "rollout.max_context_tokens=6144",
         "train.lr=1e-6", "eval.every=20", "eval.num_prompts=500",
     ],
+    # one 80 GB GPU: Qwen2.5-7B-Instruct on HotpotQA with LoRA adapters of rank 32 on every linear layer of
+    # attention and MLP, at LoRA's learning rate (~10x full fine-tuning's), the KL reference its base for free;
+    # the trainer's state is ~16 GB where full fine-tuning's would be ~122 GB (bench/bench_lora.py --estimate)
+    "hotpotqa-7b-lora": [
+        "model=Qwen/Qwen2.5-7B-Instruct", "algo=grpo", "steps=200", "run_dir=out/hotpotqa-7b-lora",
+        "data.task=hotpotqa", "data.train_path=data/hotpotqa/train.parquet",
+        "data.val_path=data/hotpotqa/val.parquet", "task.index_dir=data/hotpotqa/index", "reward.metric=em",
+        "reward.format_weight=0.1", "rollout.prompts_per_step=32", "rollout.group_size=5",
+        "rollout.max_turns=4", "rollout.max_new_tokens=512", "rollout.max_context_tokens=6144",
+        "rollout.gpu_memory_utilization=0.45", "ppo.mini_batch_size=32", "train.lora_rank=32",
+        "train.lora_alpha=32", "train.lr=1e-5", "train.micro_batch_tokens=16384", "train.kl_mode=loss",
+        "eval.every=20", "eval.num_prompts=500",
+    ],
     # one GPU node: Qwen2.5-1.5B-Instruct playing TextWorld games, one command a turn (prepare_data.py
     # --task=textworld)
     "textworld": [

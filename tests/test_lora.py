@@ -129,12 +129,31 @@ def test_merging_in_place_keeps_the_function_and_makes_it_the_base(process_group
     ids, positions, needed = packed(ROWS)
     with torch.no_grad():
         before = policy_forward(policy, ids, positions, needed)[0]
-        merge_adapters(policy, torch.float32)
+        merge_adapters(policy)
         after = policy_forward(policy, ids, positions, needed)[0]
         base = policy_forward(BaseModel(policy), ids, positions, needed)[0]
     torch.testing.assert_close(after, before, atol=1e-5, rtol=0)
     assert torch.equal(base, after)  # B = 0 now: the adapters add nothing
     assert all(torch.equal(b.full_tensor(), torch.zeros(b.shape)) for _, b in adapters(policy).values())
+
+
+def test_in_bf16_the_frozen_base_is_stored_in_bf16_and_the_adapters_train_in_fp32(process_group, tiny_model_dir):
+    policy = lora_policy(tiny_model_dir, dtype=torch.bfloat16)
+    dtypes = {p.requires_grad: set() for p in policy.parameters()}
+    for p in policy.parameters():
+        dtypes[p.requires_grad].add(p.dtype)
+    assert dtypes == {True: {torch.float32}, False: {torch.bfloat16}}
+    randomise_b(policy)
+    ids, positions, needed = packed(ROWS)
+    logprobs = policy_forward(policy, ids, positions, needed)[0]
+    logprobs[needed].sum().backward()
+    assert all(p.grad.dtype == torch.float32 and p.grad.full_tensor().abs().sum() > 0
+               for p in policy.parameters() if p.requires_grad)
+    merge_adapters(policy)
+    with torch.no_grad():
+        merged = policy_forward(policy, ids, positions, needed)[0]
+    assert all(p.dtype == torch.bfloat16 for p in policy.parameters() if not p.requires_grad)
+    torch.testing.assert_close(merged[needed], logprobs.detach()[needed], atol=0.05, rtol=0)  # bf16 rounding
 
 
 def test_merged_weights_in_the_engine_give_the_trainers_logprobs(process_group, tiny_model_dir):
@@ -201,7 +220,7 @@ def test_a_lora_checkpoint_holds_the_adapters_alone_and_a_warm_started_run_resum
     policy = models["policy"]
     assert isinstance(ref, BaseModel) and ref.policy is policy  # no second copy of the weights
     randomise_b(policy)  # the warm start's adapters
-    merge_adapters(policy, torch.float32)
+    merge_adapters(policy)
     export_hf(policy, AutoTokenizer.from_pretrained(tiny_model_dir), warm_dir, torch.float32)
     step(models, optimizers, 0)
     path = save_checkpoint(cfg.run_dir, 1, models, optimizers, {}, to_dict(cfg))

@@ -322,7 +322,7 @@ def adapted_weights(model, weights, seed):
         elif ".lora_B." in name:
             out[name] = torch.zeros(meta.shape)
         else:
-            out[name] = weights[name.replace(".base_layer.", ".")]
+            out[name] = weights[name.replace(".base_layer.", ".")].to(meta.dtype)
     return out
 
 

@@ -116,6 +116,26 @@ def test_lora_logprobs_and_gradients_match_plain_autograd_and_adapters_off_are_t
         assert torch.equal(policy_forward(policy, ids, positions, needed)[0], logprobs.detach())
 
 
+@pytest.mark.skipif(os.environ.get("TORCH_COMPILE_DISABLE") == "1", reason="TORCH_COMPILE_DISABLE=1")
+def test_compiled_lora_layers_compute_what_eager_ones_do(process_group, tiny_model_dir):
+    """train.compile with LoRA: the layers' norms and MLPs (their adapters inside) compiled, through FSDP2 and
+    activation checkpointing, give the eager policy's logprobs and the adapters' gradients."""
+    config, weights, cfg = training_config(tiny_model_dir), read_weights(tiny_model_dir), lora_cfg(tiny_model_dir)
+    eager, compiled = (build_policy(config, weights, CPU, torch.float32, True, compile_layers, lora_config(cfg.train))
+                       for compile_layers in (False, True))
+    randomise_b(eager)
+    randomise_b(compiled)
+    ids, positions, needed = packed(ROWS)
+    for model in (eager, compiled):
+        policy_forward(model, ids, positions, needed)[0][needed].sum().backward()
+    torch.testing.assert_close(policy_forward(compiled, ids, positions, needed)[0],
+                               policy_forward(eager, ids, positions, needed)[0], atol=1e-5, rtol=1e-5)
+    grads = {name: p.grad.full_tensor() for name, p in eager.named_parameters() if p.requires_grad}
+    for name, p in compiled.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad.full_tensor(), grads[name], atol=1e-4, rtol=1e-4, msg=name)
+
+
 def test_lora_targets_that_name_no_linear_layer_are_refused(process_group, tiny_model_dir):
     with pytest.raises(ConfigError, match=r"train.lora_targets: qkv is no linear layer .* \(it has .*q_proj"):
         lora_policy(tiny_model_dir, targets="q_proj,qkv")

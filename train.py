@@ -293,7 +293,7 @@ def main(argv=None):
         # enough groups have ended (all of them, unless partial rollouts or dynamic sampling: partial.py);
         # the task scores each trajectory as its group ends
         prompts = step_prompts(train_rows, step, r.prompts_per_step // world, rank, world, cfg.seed,
-                               cfg.data.shuffle)
+                               cfg.data.shuffle, cfg.data.balance_by)
         engine.wake()
         spares = spare_prompts(train_rows, step, rank, cfg.seed)
         seed = cfg.seed * 100_003 + step * world + rank  # this rank's sampling seed of the step

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from nanoagent.common import print0
+from nanoagent.keys import ConfigError
 
 ROLES = ("system", "user", "assistant", "tool")
 # row fields that name a file relative to the prompt file's folder (nanoagent/tasks/textworld.py)
@@ -153,15 +154,34 @@ def write_prompts(out, splits):
         print(f"wrote {len(rows)} prompts to {path}")
 
 
-def step_prompts(rows, step, per_rank, rank, world, seed, shuffle):
+def balance_pools(rows, field):
+    """The rows' indices by their value of `field` (data.balance_by), in the values' sorted order."""
+    missing = [row["id"] for row in rows if field not in row]
+    if missing:
+        raise ConfigError(f"data.balance_by={field}: {len(missing)} of {len(rows)} training prompts have no "
+                         f"{field!r} field (the first: {missing[0]!r})")
+    values = sorted({str(row[field]) for row in rows})
+    return [[i for i, row in enumerate(rows) if str(row[field]) == value] for value in values]
+
+
+def step_prompts(rows, step, per_rank, rank, world, seed, shuffle, balance_by=""):
     """The prompts of one training step for one rank: a deterministic function of the step (the
     data position is step x prompts per step, so a resumed run continues where it stopped), in an
-    order drawn anew every epoch: one permutation per epoch, not per prompt (100k rows: ~2 ms)."""
+    order drawn anew every epoch: one permutation per epoch, not per prompt (100k rows: ~2 ms).
+    With balance_by (a row field, e.g. a question's type), the positions take the field's values in
+    turn, each value's rows in an order (and epochs) of their own: a step of 8 prompts over two types
+    holds 4 of each, where a plain shuffle gives it anywhere from 0 to 8 of one."""
     start = (step * world + rank) * per_rank
-    epochs, indices = np.divmod(np.arange(start, start + per_rank), len(rows))
-    orders = {e: np.random.default_rng([seed, e]).permutation(len(rows)) if shuffle else np.arange(len(rows))
-              for e in set(epochs.tolist())}
-    return [rows[orders[e][i]] for e, i in zip(epochs.tolist(), indices.tolist())]
+    positions = np.arange(start, start + per_rank)
+    pools = balance_pools(rows, balance_by) if balance_by else [range(len(rows))]
+    orders, picked = {}, []
+    for k, position in zip((positions % len(pools)).tolist(), (positions // len(pools)).tolist()):
+        epoch, i = divmod(position, len(pools[k]))
+        if (k, epoch) not in orders:
+            rng = np.random.default_rng([seed, epoch, k] if balance_by else [seed, epoch])
+            orders[k, epoch] = rng.permutation(len(pools[k])) if shuffle else np.arange(len(pools[k]))
+        picked.append(rows[pools[k][orders[k, epoch][i]]])
+    return picked
 
 
 def spare_prompts(rows, step, rank, seed):

@@ -1,7 +1,7 @@
 """
 Every config key, declared once by `opt`: its default, type, help, bounds, and whether a resume may change
 it. The range checks (config.validate), the resume check (checkpoint.check_resume) and the reference
-(--help, the README) are read from these declarations. A task's own keys (task.*) are declared in its task
+(--help, docs/config.md) are read from these declarations. A task's own keys (task.*) are declared in its task
 file, as a dataclass `Knobs`, and exist when data.task names that task.
 """
 
@@ -49,6 +49,9 @@ class DataConfig:
         "refuse", "prompts that cannot be trained on (a malformed row, a non-string answer, a duplicate id, "
         "longer than data.max_prompt_tokens): refuse the file, or drop them and say how many", fixed=True)
     shuffle: bool = opt(True, "shuffle the training prompts every epoch (seeded)", fixed=True)
+    balance_by: str = opt(
+        "", "a row field (e.g. type): every step's prompts take its values in turn, in equal numbers; empty: "
+        "the plain order", fixed=True)
 
 
 @dataclass
@@ -86,7 +89,7 @@ class RolloutConfig:
         0, "partial rollouts: a step's rollout ends once rollout.prompts_per_step groups have ended; the "
         "others pause and go on in the next step under the new weights, no token trained more than this many "
         "steps after its policy sampled it (a group that would be waits for its end); 0: every step waits "
-        "for its last trajectory. Needs rollout.extra_prompts and train.tis (README: Partial rollouts)",
+        "for its last trajectory. Needs rollout.extra_prompts and train.tis (docs/formulation.md: Partial rollouts)",
         low=0)
     extra_prompts: int = opt(
         0, "max_staleness > 0: groups in flight beyond rollout.prompts_per_step (over all ranks), drawn from "
@@ -107,7 +110,7 @@ class RolloutConfig:
     tool_format: Literal["auto", "template", "hermes"] = opt(
         "auto", "how tools and their results are shown: template: by the chat template (tools=, tool "
         "messages); hermes: nanoagent's fallback for templates without tools (Qwen2.5's Hermes block in the "
-        "system turn, results as <tool_response> in a user turn; README: Tool calling); auto: template "
+        "system turn, results as <tool_response> in a user turn; docs/recipes.md: Models and chat templates); auto: template "
         "where it renders tools=, else hermes")
 
 

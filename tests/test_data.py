@@ -7,14 +7,15 @@ import random
 import sys
 from collections import Counter
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 import procs
 import prepare_data
-from nanoagent.config import make_config
-from nanoagent.data import load_prompts, row_problem, write_prompts
+from nanoagent.config import ConfigError, make_config
+from nanoagent.data import load_prompts, row_problem, step_prompts, write_prompts
 from nanoagent.tasks import hotpotqa, synthetic
 from nanoagent.tasks.hotpotqa import SYSTEM_PROMPT, hotpotqa_row, load_hotpotqa
 from nanoagent.tasks.synthetic import (GUESS, SKIP_SECOND_HOP, demonstration, make_split, make_world, passages, questions,
@@ -284,3 +285,21 @@ def test_prepare_refuses_an_empty_split(hotpot_dir, tmp_path):
     assert os.listdir(tmp_path / "out") == []  # no train file either: a split is checked before anything is written
     with pytest.raises(ValueError, match=r"the train split: 1 of 1 prompts cannot be trained on \(first: q \(answers must be a list of strings"):
         write_prompts(str(tmp_path), {"train": [{"id": "q", "messages": MESSAGES, "answers": [1.5]}]})
+
+
+def test_balanced_steps_hold_each_type_in_equal_numbers_and_the_plain_order_is_unchanged():
+    """data.balance_by=type: every step's prompts take the types in turn (4 + 4 of 8, on each rank),
+    each type's rows all seen once per its own epoch; without it the order is the plain shuffle."""
+    rows = [{"id": i, "type": "1-hop" if i % 3 else "2-hop"} for i in range(30)]  # 20 of one, 10 of the other
+    for step in range(6):
+        for rank in range(2):
+            prompts = step_prompts(rows, step, 4, rank, 2, seed=7, shuffle=True, balance_by="type")
+            assert [p["type"] for p in prompts] == ["1-hop", "2-hop"] * 2
+    seen = [p["id"] for step in range(5) for p in step_prompts(rows, step, 4, 0, 1, 7, True, "type")]
+    assert sorted(i for i in seen if i % 3 == 0) == list(range(0, 30, 3))  # 2-hop's epoch: each once
+    assert len(set(seen)) == len(seen)
+    assert step_prompts(rows, 3, 4, 0, 1, 7, True, "type") == step_prompts(rows, 3, 4, 0, 1, 7, True, "type")
+    plain = [p["id"] for p in step_prompts(rows, 0, 30, 0, 1, 7, True)]
+    assert plain == np.random.default_rng([7, 0]).permutation(30).tolist()
+    with pytest.raises(ConfigError, match="data.balance_by=kind: 30 of 30 training prompts have no 'kind' field"):
+        step_prompts(rows, 0, 4, 0, 1, 7, True, "kind")

@@ -40,7 +40,7 @@ import importlib.util
 import os
 
 from nanoagent.config import ConfigError, task_names
-from nanoagent.data import check_prompts, fit_prompts
+from nanoagent.data import balance_pools, check_prompts, fit_prompts
 from nanoagent.endpoint import Endpoint
 from nanoagent.env import ChatEnv, tool_env
 from nanoagent.flow import flow_env
@@ -124,7 +124,8 @@ def named_tools(names, cfg, index_dir=None):
 def task_data(task, cfg, tokenizer):
     """(train rows, val rows, the task's environments): the task's prompts, made on the spot or read
     from a file, every one checked (well-formed rows, then data.max_prompt_tokens with chat template
-    and tool schemas included) when loaded, on every rank, before any collective."""
+    and tool schemas included) when loaded, on every rank, before any collective; the training rows
+    have the field data.balance_by balances them by."""
     what = {split: f"{cfg.data.task} {split} prompts" for split in ("train", "val")}
     prompts = {split: check_prompts(task.prompts(cfg, split), cfg.data.bad_prompts, what[split])
                for split in what}
@@ -134,4 +135,6 @@ def task_data(task, cfg, tokenizer):
         lengths = env.prompt_lengths([p["messages"] for p in checked])
         rows[split] = fit_prompts(checked, lengths, cfg.data.max_prompt_tokens, cfg.data.bad_prompts,
                                   what[split])
+    if cfg.data.balance_by:
+        balance_pools(rows["train"], cfg.data.balance_by)
     return rows["train"], rows["val"], env

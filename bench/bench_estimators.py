@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 ROOT = __file__.rsplit("/bench/", 1)[0]
-ESTIMATORS = {  # name: overrides of the demo preset (README: "How the code maps to the Agent-R1 formulation")
+ESTIMATORS = {  # name: overrides of the demo preset (docs/formulation.md)
     "GRPO": ["algo=grpo"],
     "PPO (token)": ["algo=ppo", "ppo.critic_lr=1e-3"],
     "PPO (step)": ["algo=ppo", "ppo.critic_lr=1e-3", "ppo.credit=step"],

@@ -31,7 +31,7 @@ rollout.context=last_k) of L tokens (the longest row; right-padded), B trajector
 A trajectory left out of the update still counts in its group's baseline when it is a real sample of
 the policy (one a budget cut, under train.overlong_filter), with the reward it earned; one whose
 environment failed (env_error) counts nowhere, as if it had not been sampled: its reward says nothing
-of the policy. README: "Dynamic sampling and overlong filtering".
+of the policy. docs/formulation.md: "Dynamic sampling and overlong filtering".
 
 Packing (model.py's forwards run on it): the rows of a micro-batch are laid end to end into one
 sequence [1, T], at most train.micro_batch_tokens tokens unless one row is longer; rows that begin

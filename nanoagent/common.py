@@ -41,7 +41,7 @@ def init_distributed():
     The world of one serves its process group's store on loopback only: PyTorch's TCPStore listens
     on every interface, whatever its host name says, unless it is handed a socket that is already
     listening. Under torchrun the store is torchrun's own (its agent serves it to the workers), and
-    torchrun has no setting for the interface: see the README's reliability section.
+    torchrun has no setting for the interface: see docs/reliability.md.
     """
     store = None
     if "RANK" not in os.environ:  # not launched by torchrun

@@ -115,7 +115,7 @@ class ChatEnv:
             raise ConfigError("rollout.tool_format=template, but the model's chat template ignores tools= "
                               "(it renders the same text with and without them): the model would never see "
                               "its tools. Use rollout.tool_format=hermes (or auto), nanoagent's fallback "
-                              "tool format (README: Models and chat templates)")
+                              "tool format (docs/recipes.md: Models and chat templates)")
         self.hermes = self.renders_hermes(self.schemas)
         self.max_obs_tokens = max_obs_tokens
         self.context = context

@@ -14,7 +14,7 @@ groups, the oldest first; groups that ended beyond it are held, ended, for the n
 records the step whose policy sampled it (Trajectory.versions). A group is paused or held only if its
 oldest token will be at most max_staleness steps old when the next step trains: otherwise the rollout
 waits for its end and it trains now, beyond the share if need be. The loss weighs stale tokens by
-min(pi_old / pi_behaviour, train.tis_cap) (README: Partial rollouts). A resume starts without the
+min(pi_old / pi_behaviour, train.tis_cap) (docs/formulation.md: Partial rollouts). A resume starts without the
 groups paused or held at the checkpoint.
 
 Dynamic sampling (grpo.refill, DAPO's). A group that ends with nothing to train on (rewards all equal:

@@ -5,7 +5,7 @@ the same way (nanoagent/config.py).
 
 PRESETS = {
     # CPU, offline: the tiny random model on arithmetic with the calculator, no data files (tests, the
-    # README's CPU runs)
+    # CPU runs of README.md and docs/)
     "tiny": [
         "model=tiny", "steps=20", "run_dir=out/tiny", "data.task=arithmetic", "data.max_prompt_tokens=768",
         "task.num_val=32", "rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.max_turns=3",

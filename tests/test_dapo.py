@@ -90,7 +90,7 @@ def test_a_group_is_dropped_exactly_when_its_advantages_are_all_zero():
 
 
 # -----------------------------------------------------------------------------
-# what a trajectory left out of the update contributes to the advantages of the others (README:
+# what a trajectory left out of the update contributes to the advantages of the others (docs/formulation.md:
 # "Dynamic sampling and overlong filtering"): an overlong one, a real sample of the policy, counts in
 # its group's baseline with the reward it earned; an env_error one counts nowhere
 

@@ -14,7 +14,7 @@ machines and loads (the engine batches whichever requests are running, and the r
 the RL budget must hold for any sample: at train.lr=3e-4 it did not, as GSPO and StepPO moved the
 policy up to ~10x further per update than the token means and collapsed on an AMD CPU (StepPO 0.50 ->
 0.66 -> 0.00). At 1e-4 every estimator reached 1.00 by step 6 in every run tried, natively, under
-avx2 and beside a busy process (README: "Expected results and costs"). Every run is on one thread
+avx2 and beside a busy process (docs/results.md: "Expected results and costs"). Every run is on one thread
 (the rounding depends on the thread count); the RL runs go two at a time.
 """
 
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARM_START = ["train.warm_start_steps=300", "train.warm_start_lr=1e-3", "ppo.mini_batch_size=64", "rollout.prompts_per_step=16"]
 RL = ["steps=6", "eval.every=4", "train.lr=1e-4", "ppo.critic_lr=1e-3"]
-ESTIMATORS = {  # name: overrides (README: "How the code maps to the Agent-R1 formulation")
+ESTIMATORS = {  # name: overrides (docs/formulation.md)
     "grpo": ["algo=grpo"],
     "gspo": ["algo=grpo", "ppo.ratio=sequence", "train.loss_agg=seq_mean_token_mean"],
     "rloo": ["algo=rloo"],
@@ -42,7 +42,7 @@ ESTIMATORS = {  # name: overrides (README: "How the code maps to the Agent-R1 fo
     "ppo": ["algo=ppo"],
     "ppo-step": ["algo=ppo", "ppo.credit=step"],
     "steppo": ["algo=ppo", "ppo.credit=step", "ppo.ratio=step", "ppo.whiten_over=steps", "train.loss_agg=step_mean_token_mean",
-               "rollout.context=last_k", "ppo.gamma=0.99"],  # StepPO as published: the README's line
+               "rollout.context=last_k", "ppo.gamma=0.99"],  # StepPO as published: docs/formulation.md's line
     # partial rollouts (tokens up to a step old, decoupled PPO's weights) and dynamic sampling together,
     # on one rank and on two (RANKS)
     "grpo-partial-refill": ["algo=grpo", "rollout.max_staleness=1", "rollout.extra_prompts=8",

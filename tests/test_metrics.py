@@ -2,7 +2,7 @@
 The step's metrics (nanoagent/metrics.py) over 2 gloo ranks under torchrun: a metric says only what
 was measured. When DAPO leaves every trajectory of a step out, no engine logprob was compared with
 the trainer's, and engine_logprob_diff must not read as a perfect 0; rank_imbalance compares the
-ranks' trainer tokens. The step line says what the README says it does: the task's answer score,
+ranks' trainer tokens. The step line says what docs/recipes.md says it does: the task's answer score,
 each KL by what it is of, elapsed time and an ETA.
 """
 

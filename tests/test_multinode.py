@@ -1,6 +1,6 @@
 """
 Several nodes, on one machine: two torchrun agents (--nnodes=2 --nproc_per_node=1, --node_rank=0
-and 1) meet at a c10d rendezvous on loopback, as the README's multi-node command has them meet on
+and 1) meet at a c10d rendezvous on loopback, as docs/recipes.md's multi-node command has them meet on
 real nodes, and train.py runs two GRPO steps, checkpoints, and resumes to a third. The c10d
 rendezvous hands out the ranks in its own order (torchrun ignores --node_rank there, and says so):
 either node may be rank 0, and nothing here assumes which.

@@ -15,42 +15,15 @@ from nanoagent.tasks import DRIVERS, load_task, task_data, task_names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# A task of a user's own: look a product's price up with a tool of its own, scored its own way.
-LOOKUP_TASK = '''
-"""Look a product's price up."""
-import json
 
-from nanoagent.tools import Tool
-
-PRICES = {"A1": "3", "B2": "7", "C3": "12", "D4": "5"}
-SYSTEM_PROMPT = "Look the price up with the lookup tool, then answer as <answer>price</answer>."
-QUESTION = "What does {} cost?"
-prepare = None
+def readme_task():
+    """The README's task of a user's own ("Train your own"), as it stands there: look a product's price
+    up with a tool of its own, scored its own way."""
+    section = open(os.path.join(ROOT, "README.md")).read().split("## Train your own", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
-def tools(cfg):
-    return [Tool("lookup", "Look up a product's price by its SKU.",
-                 {"type": "object", "properties": {"sku": {"type": "string"}}, "required": ["sku"]},
-                 lambda args: PRICES.get(args["sku"], "no such product"))]
-
-
-def prompts(cfg, split):
-    skus = sorted(PRICES)[:3] if split == "train" else sorted(PRICES)[3:]
-    return [{"id": f"{split}-{i}", "sku": sku, "answers": [PRICES[sku]], "type": "under 10" if int(PRICES[sku]) < 10 else "10 or more",
-             "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": QUESTION.format(sku)}]}
-            for i, sku in enumerate(skus * 4)]
-
-
-def score(traj, cfg):
-    traj.scores = {"looked_up": float(any(c.name == "lookup" and not c.error for c in traj.tool_calls))}
-    traj.reward = traj.scores["looked_up"]
-    return traj.reward
-
-
-def demonstration(row, rng):
-    call = json.dumps({"name": "lookup", "arguments": {"sku": row["sku"]}})
-    return [f"<tool_call>\\n{call}\\n</tool_call>", f"<answer>{PRICES[row['sku']]}</answer>"]
-'''
+LOOKUP_TASK = readme_task()
 
 
 def test_builtin_tasks_define_the_interface():

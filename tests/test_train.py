@@ -294,14 +294,14 @@ def test_a_run_that_trains_nothing_says_so_and_stops(tmp_path):
 
 def test_an_agent_trains_with_partial_rollouts_and_refill_within_the_staleness_bound_on_two_ranks(tmp_path):
     """
-    The README's agent written with the openai package (nanoagent/tasks/openai_agent.py), trained unchanged
+    docs/extending.md's agent written with the openai package (nanoagent/tasks/openai_agent.py), trained unchanged
     through each rank's endpoint and warm-started through it, with rollout.max_staleness=1, extra groups in
     flight and grpo.refill, on 2 ranks, where half the prompts' groups are uniform (a scripted reward:
     tests/half_uniform_agent_task.py). The agents' calls pause and go on under the next step's weights; the
     engine's logprobs are the trainer's on every token of this step's policy (the rows are what was
     sampled); no trained token is more than one step old; every step trains on rollout.prompts_per_step
     groups or its line says the spare prompts ran out. Resumed, it goes on without the groups paused at the
-    checkpoint (README: Partial rollouts) and exports. (Carrying over, deterministically: test_env.py,
+    checkpoint (docs/formulation.md: Partial rollouts) and exports. (Carrying over, deterministically: test_env.py,
     test_flow.py; partial rollouts of a tool task on 2 ranks: test_learning.py.)
     """
     overrides = ["algo=grpo", "rollout.max_staleness=1", "rollout.extra_prompts=4", "train.tis=true",

@@ -1,6 +1,6 @@
 """
 An agent written with the openai package, trained unchanged through nanoagent's OpenAI-compatible
-endpoint (nanoagent/endpoint.py): the README's example of training an agent you already have. It answers
+endpoint (nanoagent/endpoint.py): docs/extending.md's example of training an agent you already have. It answers
 the arithmetic task's questions with a calculator it runs itself; the prompts, the demonstrations for a
 warm start and the held-out split are the arithmetic task's.
 

@@ -236,6 +236,8 @@ class EvalConfig:
 class LogConfig:
     wandb: bool = opt(False, "also log to Weights & Biases (when installed)")
     wandb_project: str = opt("nanoagent", "wandb project")
+    trajectories_per_step: int = opt(
+        2, "groups of each step kept for report.py's trajectory viewer (trajectories.jsonl); 0: none", low=0)
 
 
 @dataclass

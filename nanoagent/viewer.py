@@ -289,7 +289,7 @@ function select(t) {
   const detail = document.getElementById("chat");
   detail.replaceChildren();
   detail.appendChild(el("div", "facts", `${stepName(t)} · group ${t.group} · member ${t.member} · ` +
-                        `id ${t.id} · ${t.turns} turns`));
+                        `id ${t.id} · ${t.turns} turn${t.turns === 1 ? "" : "s"}`));
   detail.appendChild(chat(t));
   const members = groupOf(t);
   document.getElementById("group-title").textContent =

@@ -258,7 +258,8 @@ class Config:
         "reinforce_plus_plus_baseline: reward minus its group's mean, whitened over the batch", fixed=True)
     steps: int = opt(200, "training steps (one rollout batch each)", low=0)
     run_dir: str = opt(
-        "out/run", "checkpoints, metrics.jsonl, trajectories.jsonl, config.json, hf/ (the export), warm_start/")
+        "out/run", "checkpoints, metrics.jsonl, trajectories.jsonl, config.json, hf/ (the export), "
+        "warm_start/")
     seed: int = opt(
         0, "seed of data order, sampling and initialisation (numpy takes 32-bit seeds, and each rank adds "
         "its rank)", low=0, high=2 ** 31 - 1, fixed=True)

@@ -1,22 +1,29 @@
 """
 Write report.md for a training run: the config, held-out metrics before and after RL, the training
 curves as PNG (the reward; loss, KL, entropy and gradient norm; turns and response length), and (for
-make speedrun) the wall time of each stage and the GPU-hours.
+make speedrun) the wall time of each stage and the GPU-hours; and beside it trajectories.html, the
+trajectory viewer (nanoagent/viewer.py): what the agent did in the first, middle and last step, turn
+by turn and token by token. One static page, to open in a browser, offline.
 
     python report.py --run=out/demo/run                                  # -> out/demo/run/report.md
     python report.py --run=out/speedrun/run --eval=out/speedrun/val.jsonl --stages=out/speedrun/stages.tsv \
         --gpus=8 --out=out/speedrun/report.md
+    python report.py --trajectories=out/rollouts.jsonl                   # -> out/rollouts.html (viewer only)
 
-Inputs are what train.py writes: <run>/config.json and <run>/metrics.jsonl (one JSON object per
-step; step 0 is the evaluation before RL, when eval.every > 0). --eval is the trajectories JSONL of
-rollout.py on the whole validation set. --stages is a TSV of `stage<TAB>seconds` lines, one per
-pipeline stage.
+Inputs are what train.py writes: <run>/config.json, <run>/metrics.jsonl (one JSON object per
+step; step 0 is the evaluation before RL, when eval.every > 0) and <run>/trajectories.jsonl (a few
+groups of each step: log.trajectories_per_step). --eval is the trajectories JSONL of rollout.py on
+the whole validation set (its first --limit go into the viewer too). --stages is a TSV of
+`stage<TAB>seconds` lines, one per pipeline stage. --trajectories writes the viewer alone, of
+rollout.py's output or of a run's trajectories.jsonl.
 """
 
 import argparse
 import json
 import os
 import sys
+
+from nanoagent.viewer import chosen_steps, page_entries, read_trajectories, write_viewer
 
 QA_LEGEND = ("em = strict exact match; substring_em = a gold answer occurs in the prediction "
              "(Agent-R1's accuracy); f1 = token F1 (SQuAD); ")
@@ -120,7 +127,48 @@ def plot(rows, out_dir):
     return ["reward.png", "training.png", "turns_length.png"]
 
 
-def write_report(run_dir, out_path, eval_path=None, stages=(), gpus=0):
+def viewer_entries(path, steps=None, limit=200):
+    """The viewer's entries of a trajectories file and a line that says which they are: of train.py's
+    trajectories.jsonl the chosen steps' (chosen_steps), of rollout.py's output the first `limit`."""
+    records = read_trajectories(path)
+    if not records:
+        raise ValueError(f"{path} holds no trajectories")
+    if "step" in records[0]:
+        chosen = chosen_steps(records, steps)
+        kept = [r for r in records if r["step"] in chosen]
+        last = max(r["step"] for r in records)
+        note = (f"{len(kept)} trajectories of steps {', '.join(map(str, chosen))} (of {last}), "
+                "rank 0's first groups")
+        return page_entries(kept, "training"), note
+    if steps:
+        raise ValueError(f"{path} is rollout.py's output, which has no steps: leave --steps out")
+    return page_entries(records[:limit], "rollout.py"), (f"rollout.py: the first {min(limit, len(records))} "
+                                                         f"of {len(records)} trajectories of {path}")
+
+
+def write_run_viewer(run_dir, out_dir, eval_path=None, steps=None, limit=200):
+    """trajectories.html in out_dir, of the run's trajectories.jsonl and (eval_path) rollout.py's
+    trajectories. Returns the lines report.md says of it."""
+    kept = os.path.join(run_dir, "trajectories.jsonl")
+    entries, notes = [], []
+    if os.path.exists(kept) and os.path.getsize(kept):  # empty: log.trajectories_per_step=0
+        entries, note = viewer_entries(kept, steps)
+        notes.append(note)
+    if eval_path:
+        evaluated, note = viewer_entries(eval_path, limit=limit)
+        entries, notes = entries + evaluated, notes + [note]
+    if not entries:
+        return ["No trajectories were kept (log.trajectories_per_step=0, or a run from before "
+                "trajectories.jsonl): no trajectory viewer.", ""]
+    path = write_viewer(entries, os.path.join(out_dir, "trajectories.html"), f"Trajectories of {run_dir}",
+                        "; ".join(notes))
+    name = os.path.basename(path)
+    return ["## Trajectories", "",
+            f"[{name}]({name}): what the agent did, turn by turn and token by token, each trained token "
+            f"coloured by its advantage ({'; '.join(notes)}). A static page: open it in a browser.", ""]
+
+
+def write_report(run_dir, out_path, eval_path=None, stages=(), gpus=0, steps=None, limit=200):
     rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     with open(os.path.join(run_dir, "config.json")) as f:
         config = json.load(f)
@@ -177,26 +225,49 @@ def write_report(run_dir, out_path, eval_path=None, stages=(), gpus=0):
         lines += [f"| total | {total / 60:.1f} min |", ""]
         if gpus:
             lines += [f"GPU-hours: {total / 3600 * gpus:.2f} ({gpus} GPUs x {total / 3600:.2f} h)", ""]
+    lines += write_run_viewer(run_dir, out_dir, eval_path, steps, limit)
     lines += ["## Config", "", "```json", json.dumps(config, indent=2), "```", ""]
     with open(out_path, "w") as f:
         f.write("\n".join(lines))
     return out_path
 
 
+def steps_list(text):
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected step numbers separated by commas") from None
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", required=True, help="run folder of train.py (config.json, metrics.jsonl)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run",
+                        help="run folder of train.py (config.json, metrics.jsonl, trajectories.jsonl)")
+    source.add_argument("--trajectories", default=None,
+                        help="write only the trajectory viewer of this JSONL (rollout.py's, or a run's "
+                             "trajectories.jsonl), next to it as .html unless --out")
     parser.add_argument("--out", default=None,
-                        help="report path (default: <run>/report.md); the PNGs go next to it")
+                        help="report path (default: <run>/report.md); the PNGs and trajectories.html go next "
+                             "to it. With --trajectories: the page's path")
     parser.add_argument("--eval", default=None, help="trajectories JSONL of rollout.py on the validation set")
     parser.add_argument("--stages", default=None, help="TSV of stage<TAB>seconds (make speedrun writes it)")
     parser.add_argument("--gpus", type=int, default=0, help="GPUs used, for GPU-hours")
+    parser.add_argument("--steps", type=steps_list, default=None,
+                        help="training steps the viewer shows, e.g. 1,50,100 (default: first, middle, last)")
+    parser.add_argument("--limit", type=int, default=200,
+                        help="rollout.py's trajectories the viewer shows: the first N (default: 200)")
     args = parser.parse_args(argv)
     try:
-        stages = read_stages(args.stages) if args.stages else []
-        path = write_report(args.run, args.out or os.path.join(args.run, "report.md"), args.eval, stages,
-                            args.gpus)
+        if args.trajectories:
+            entries, note = viewer_entries(args.trajectories, args.steps, args.limit)
+            path = write_viewer(entries, args.out or os.path.splitext(args.trajectories)[0] + ".html",
+                                f"Trajectories of {args.trajectories}", note)
+        else:
+            stages = read_stages(args.stages) if args.stages else []
+            path = write_report(args.run, args.out or os.path.join(args.run, "report.md"), args.eval, stages,
+                                args.gpus, args.steps, args.limit)
     except (FileNotFoundError, ValueError) as e:
         print(f"report.py: {e}", file=sys.stderr)
         return 2

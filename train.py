@@ -34,7 +34,8 @@ One step, top to bottom:
      decoupled PPO's weights of the tokens an older policy sampled) and clipped value loss, each a
      global mean across micro-batches and ranks (of tokens, trajectories or turns); a non-finite loss
      or gradient skips the update;
-  6. the new weights go into the engine; one line of metrics.
+  6. the new weights go into the engine; one line of metrics, and a few of the step's groups token by
+     token (trajectories.jsonl: report.py shows them in trajectories.html).
 """
 
 import argparse
@@ -53,14 +54,14 @@ from nanoagent.agent import Rollouts
 from nanoagent.batch import balance_groups, group_tokens, step_batch
 from nanoagent.checkpoint import (check_resume, export_hf, load_latest, resume_checkpoint, save_checkpoint,
                                   start_fresh)
-from nanoagent.common import (MetricsLog, all_reduce, exit_now, init_distributed, print0, seed_everything,
-                              stop_on_signals)
+from nanoagent.common import (MetricsLog, StepLines, all_reduce, exit_now, init_distributed, print0,
+                              seed_everything, stop_on_signals)
 from nanoagent.config import ConfigError, format_config, make_config, reference, save_config, to_dict
 from nanoagent.data import spare_prompts, step_prompts
 from nanoagent.engine import SamplingConfig, make_engine, pad_token_id
 from nanoagent.hub import resolve_model
 from nanoagent.imitation import imitate
-from nanoagent.metrics import evaluate, idle_stop, step_line, step_metrics
+from nanoagent.metrics import evaluate, idle_stop, sampled_trajectories, step_line, step_metrics
 from nanoagent.model import (build_models, critic_forward, forward_all, full_tensors, old_policy_forward,
                              policy_forward)
 from nanoagent.partial import rollout_step
@@ -266,6 +267,7 @@ def main(argv=None):
     engine.load_weights(full_tensors(policy))
     log = MetricsLog(cfg.run_dir, start_step if checkpoint else None, to_dict(cfg), cfg.log.wandb,
                      cfg.log.wandb_project)
+    samples = StepLines(os.path.join(cfg.run_dir, "trajectories.jsonl"), start_step if checkpoint else None)
     if cfg.eval.every and not checkpoint:  # where RL starts from (a checkpoint of step 0 has it logged)
         metrics = {"step": 0, **evaluate(engine, env, task, val_rows, cfg, rank, world)}
         print0("step    0 | " + " | ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k != "step"))
@@ -337,7 +339,7 @@ def main(argv=None):
             batch["old_logprobs"], batch["nucleus_logprobs"] = own_logprobs
         kl = None if ref is None else rl.kl_penalty(batch["old_logprobs"], ref_logprobs, "k1") * mask
         t3 = time.perf_counter()
-        # 6. the new weights into the engine; one line of metrics
+        # 6. the new weights into the engine; one line of metrics, a few of the step's groups
         engine.wake(["weights"])
         engine.load_weights(full_tensors(policy))
         engine.wake(["kv_cache"])
@@ -351,6 +353,8 @@ def main(argv=None):
             metrics.update(evaluate(engine, env, task, val_rows, cfg, rank, world))
         print0(step_line(metrics, cfg, start_step, time.perf_counter() - loop_start))
         log.log(metrics)
+        if rank == 0:  # a few of the step's groups, token by token, for report.py's trajectory viewer
+            samples.write(sampled_trajectories(data, step, tokenizer, cfg.log.trajectories_per_step))
 
         # checkpoints: every save_every steps, at the end, after a SIGTERM or a Ctrl-C, and when the run stops
         # because it has trained nothing for train.max_idle_steps steps (every trajectory left out)

@@ -174,10 +174,35 @@ class Trajectory:
             "action_mask": self.action_mask, "rollout_logprobs": self.rollout_logprobs,
             "versions": self.versions, "turn_spans": self.turn_spans,
             "response_text": tokenizer.decode(self.response_ids, skip_special_tokens=False),
+            "turn_tokens": [token_texts(tokenizer, self.response_ids[s:e]) for s, e in self.turn_spans],
             **({"step_prompt_ids": self.step_prompts,
                 "contexts": [{"messages": c.messages, **({"tools": c.tools} if c.tools is not None else {})}
                              for c in self.contexts]} if self.step_prompts else {}),
         }
+
+
+def token_texts(tokenizer, ids):
+    """
+    The text of each token of ids (a turn's sampled ids), as the tokenizer decodes them together: the
+    texts join into tokenizer.decode(ids). A character whose bytes span several tokens is the text of
+    the last of them (the others: ''). The ids are decoded as they are, never encoded again.
+    """
+    alone = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
+    if "".join(alone) == tokenizer.decode(ids, skip_special_tokens=False):
+        return alone
+    # incremental, as a streaming detokenizer: each token decoded after the one before it (for the
+    # tokenizers that decode a token at the start of a text differently), held back while it ends in
+    # an unfinished character
+    texts, context, start = [], 0, 0  # ids[context:start]: given their text already
+    for end in range(1, len(ids) + 1):
+        before = tokenizer.decode(ids[context:start], skip_special_tokens=False)
+        after = tokenizer.decode(ids[context:end], skip_special_tokens=False)
+        if after.endswith("\ufffd") and end < len(ids):
+            texts.append("")
+            continue
+        texts.append(after[len(before):])
+        context, start = start, end
+    return texts
 
 
 def start_trajectories(env, samples, max_context_tokens):

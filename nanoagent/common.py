@@ -86,26 +86,19 @@ def seed_everything(seed):
     torch.manual_seed(seed)
 
 
-class MetricsLog:
+class StepLines:
     """
-    One JSON object per line in <run_dir>/metrics.jsonl (rank 0), and wandb when asked for.
-    resumed_step: the step of the checkpoint the run continues from (None: a fresh start). The
-    lines logged after it by the run before (steps it will now do again, a line cut by a kill)
-    are dropped first, so that the file holds each step once; the file is rewritten atomically.
+    A JSON Lines file of records that each name their step ("step"), written by rank 0 alone:
+    metrics.jsonl, trajectories.jsonl. resumed_step: the step of the checkpoint the run continues from
+    (None: a fresh start, which empties the file). The lines written after it by the run before (steps
+    it will now do again, a line cut by a kill) are dropped first, so that the file holds each step once;
+    the file is rewritten atomically. A write appends whole lines in one call, flushed.
     """
 
-    def __init__(self, run_dir, resumed_step, cfg_dict, use_wandb=False, project="nanoagent"):
-        self.path = os.path.join(run_dir, "metrics.jsonl")
-        self.wandb = None
+    def __init__(self, path, resumed_step):
+        self.path = path
         if rank() == 0:
             self._rewind(resumed_step)
-        if use_wandb and rank() == 0:
-            try:
-                import wandb
-            except ImportError:
-                print0("log.wandb=true but wandb is not installed; logging to metrics.jsonl only")
-            else:
-                self.wandb = wandb.init(project=project, config=cfg_dict, dir=run_dir)
 
     def _rewind(self, resumed_step):
         kept = []
@@ -123,11 +116,33 @@ class MetricsLog:
             os.fsync(f.fileno())
         os.replace(self.path + ".tmp", self.path)
 
+    def write(self, records):
+        if rank() != 0 or not records:
+            return
+        with open(self.path, "a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in records))
+            f.flush()
+
+
+class MetricsLog:
+    """One JSON object per step in <run_dir>/metrics.jsonl (StepLines: rank 0, each step once across a
+    resume), and wandb when asked for."""
+
+    def __init__(self, run_dir, resumed_step, cfg_dict, use_wandb=False, project="nanoagent"):
+        self.lines = StepLines(os.path.join(run_dir, "metrics.jsonl"), resumed_step)
+        self.wandb = None
+        if use_wandb and rank() == 0:
+            try:
+                import wandb
+            except ImportError:
+                print0("log.wandb=true but wandb is not installed; logging to metrics.jsonl only")
+            else:
+                self.wandb = wandb.init(project=project, config=cfg_dict, dir=run_dir)
+
     def log(self, metrics):
         if rank() != 0:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        self.lines.write([metrics])
         if self.wandb is not None:
             self.wandb.log(metrics, step=metrics["step"])
 

@@ -239,6 +239,8 @@ class EvalConfig:
 class LogConfig:
     wandb: bool = opt(False, "also log to Weights & Biases (when installed)")
     wandb_project: str = opt("nanoagent", "wandb project")
+    trajectories_per_step: int = opt(
+        2, "groups of each step kept for report.py's trajectory viewer (trajectories.jsonl); 0: none", low=0)
 
 
 @dataclass
@@ -258,7 +260,9 @@ class Config:
         "reinforce_plus_plus: discounted token returns, whitened over the batch; "
         "reinforce_plus_plus_baseline: reward minus its group's mean, whitened over the batch", fixed=True)
     steps: int = opt(200, "training steps (one rollout batch each)", low=0)
-    run_dir: str = opt("out/run", "checkpoints, metrics.jsonl, config.json, hf/ (the export), warm_start/")
+    run_dir: str = opt(
+        "out/run", "checkpoints, metrics.jsonl, trajectories.jsonl, config.json, hf/ (the export), "
+        "warm_start/")
     seed: int = opt(
         0, "seed of data order, sampling and initialisation (numpy takes 32-bit seeds, and each rank adds "
         "its rank)", low=0, high=2 ** 31 - 1, fixed=True)

@@ -85,6 +85,55 @@ def step_metrics(step, trajs, dropped, batch, policy_updates, critic_updates, kl
     return metrics
 
 
+# what a sampled trajectory's record leaves out of Trajectory.to_json: the prompt's ids (its text is in the
+# messages) and the per-token lists the viewer does not show (the logprob difference stands for them)
+UNVIEWED = ("prompt_ids", "step_prompt_ids", "contexts", "rollout_logprobs", "versions", "response_text")
+
+
+def sampled_trajectories(data, step, tokenizer, groups):
+    """
+    The first `groups` groups of this rank's step as report.py's trajectory viewer reads them, one
+    record per trajectory (log.trajectories_per_step; train.py writes rank 0's to trajectories.jsonl):
+    its Trajectory.to_json (the conversation, its tool calls, the ids of the response with their mask,
+    the text of each sampled token), less UNVIEWED, with its step (as metrics.jsonl numbers them), its
+    group and place in it, whether it trained (else why not) and, for each turn, each action token's
+    advantage (None when the trajectory was left out) and the trainer's logprob within the rollout's
+    nucleus minus the engine's (None where they were not compared: a token an older policy sampled,
+    or left out). data: the StepData after the update (its batch with advantages and
+    nucleus_logprobs); step: the loop's step (0-based), the version of the tokens its policy sampled.
+    """
+    batch, scores = data.batch, data.scores
+    diff = batch["nucleus_logprobs"] - batch["rollout_logprobs"]
+    compared = (batch["action_mask"] > 0) & (batch["version"] == step)
+    records = []
+    for i, t in enumerate(data.trajs):
+        group = scores["group"][i].item()
+        if group >= groups:
+            break
+        members = (scores["group"] == group).nonzero().flatten().tolist()
+        trained = scores["trained"][i].item()
+        advantages, diffs = [], []
+        for row, start, end in batch["steps"][i]:
+            a, d, c = batch["advantages"][row, start:end], diff[row, start:end], compared[row, start:end]
+            advantages.append([round(x, 4) + 0.0 for x in a.tolist()] if trained else None)  # no -0.0
+            diffs.append([round(x, 5) + 0.0 if on else None for x, on in zip(d.tolist(), c.tolist())])
+        record = {k: v for k, v in t.to_json(tokenizer).items() if k not in UNVIEWED}
+        records.append({"step": step + 1, "group": group, "member": members.index(i), "trained": trained,
+                        **({} if trained else {"left_out": left_out_reason(data, i, members)}),
+                        **record, "advantages": advantages, "logprob_diff": diffs})
+    return records
+
+
+def left_out_reason(data, i, members):
+    """Why trajectory i of the step was left out of the update (batch.trained_rows)."""
+    if data.trajs[i].finish_reason == "env_error":
+        return "its environment failed"
+    outcomes = {round(data.scores["outcome"][m].item(), 6) for m in members if data.scores["counted"][m]}
+    if not data.scores["trained"][members].any() and len(outcomes) == 1:
+        return "its group's rewards were all equal: no signal (grpo.drop_uniform_groups)"
+    return "a budget cut it (train.overlong_filter)"
+
+
 def duration(seconds):
     """A wall time as one reads it: 42s, 3m05s, 2h07m."""
     s = round(seconds)

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import procs
+import report
 import scripted
 from padded import load_policy
 from nanoagent.agent import Rollouts, run_agent
@@ -377,6 +378,11 @@ def test_rollout_cli_writes_trajectories_and_metrics(scripted_dir, index_dir, tm
         assert len(r["response_ids"]) == len(r["action_mask"]) == len(r["rollout_logprobs"])
         assert r["finish_reason"] in ("done", "truncated", "context_budget", "max_turns") and set(r["scores"]) == {"em", "substring_em", "f1", "format"}
         assert r["reward"] == r["scores"]["em"] + 0.5 * r["scores"]["format"]
+        # each turn's sampled tokens as text, for the viewer: they join into the turn's decoded text
+        turns = ["".join(texts) for texts in r["turn_tokens"]]
+        assert len(turns) == r["turns"] and all(turn in r["response_text"] for turn in turns)
+    assert report.main([f"--trajectories={out}"]) == 0  # the viewer of rollout.py's output, beside it
+    assert "rollout.py: the first 3 of 3 trajectories" in (tmp_path / "rollouts.html").read_text()
     assert "em " in proc.stdout and "format " in proc.stdout and "finish/done" in proc.stdout and "action_tokens_per_s" in proc.stdout
     assert proc_last_k.returncode == 0, proc_last_k.stderr[-3000:]
     last_k = [json.loads(line) for line in out_last_k.read_text().splitlines()]

@@ -132,6 +132,16 @@ def test_resume_gives_the_same_next_step(tmp_path):
     assert f"moved aside to {aside}" in fresh_out and "resumed from" not in fresh_out
     assert os.listdir(tmp_path / "a" / "checkpoints") == ["step_000001"] and [m["step"] for m in fresh] == [1]
     assert sorted(os.listdir(aside / "checkpoints")) == ["step_000002", "step_000003"]
+    # the viewer's trajectories (log.trajectories_per_step: 2 groups of 4 a step) hold each step once across the
+    # resume, and its step 3 is the straight run's; fp32: the trainer's logprobs are the engine's on every action token
+    kept = {run: [json.loads(line) for line in open(run / "trajectories.jsonl")] for run in (aside, tmp_path / "b")}
+    for run, records in kept.items():
+        assert [r["step"] for r in records] == [1] * 8 + [2] * 8 + [3] * 8, run
+        assert all(abs(d) <= 1e-4 for r in records for turn in r["logprob_diff"] for d in turn), run
+    flat = lambda record: [a for turn in record["advantages"] for a in turn]  # noqa: E731
+    for straight_record, resumed_record in zip(kept[aside][16:], kept[tmp_path / "b"][16:]):
+        assert straight_record["response_ids"] == resumed_record["response_ids"]
+        assert flat(straight_record) == pytest.approx(flat(resumed_record), rel=1e-4, abs=1e-6)
 
 
 def test_last_k_context_trains_on_two_ranks_and_resumes(tmp_path):

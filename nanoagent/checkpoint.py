@@ -236,14 +236,17 @@ def save_checkpoint(run_dir, step, models, optimizers, extra, config, keep_last=
                 _restore(os.path.join(folder, os.path.splitext(name)[0]))
         os.makedirs(final + ".tmp")
     dist.barrier()
-    state = {}
+    state, fresh = {}, []
     for name, model in models.items():
         state[f"{name}/model"] = trained_state_dict(model)
-        state[f"{name}/optim"] = get_optimizer_state_dict(model, optimizers[name])
+        if optimizers[name].state:
+            state[f"{name}/optim"] = get_optimizer_state_dict(model, optimizers[name])
+        else:  # not stepped yet (a save at step 0): get_optimizer_state_dict would give it a first step
+            fresh.append(name)
     # each rank fsyncs the files it writes (DCP's sync_files)
     dcp.save(state, checkpoint_id=final + ".tmp")
     _write_json(os.path.join(final + ".tmp", f"rank{rank}.json"),
-                {"step": step, "extra": extra, "rng": _rng_state()})
+                {"step": step, "extra": extra, "rng": _rng_state(), "fresh_optimizers": fresh})
     dist.barrier()
     # a run_dir on each node's own disk would leave rank 0 marking complete a folder without the
     # other nodes' shards
@@ -317,10 +320,11 @@ def load_checkpoint(path, models, optimizers):
         error = _reason(e)
     if error := _agree(error):
         raise CheckpointError(f"{path} does not load: {error}")
-    state = {}
+    state, fresh = {}, saved.get("fresh_optimizers", [])
     for name, model in models.items():
         state[f"{name}/model"] = trained_state_dict(model)
-        state[f"{name}/optim"] = get_optimizer_state_dict(model, optimizers[name])
+        if name not in fresh:
+            state[f"{name}/optim"] = get_optimizer_state_dict(model, optimizers[name])
     try:
         dcp.load(state, storage_reader=CheckedReader(path), planner=CheckedPlanner())
     # whatever a damaged or unsafe file raises (DCP's is a BaseException)
@@ -330,7 +334,8 @@ def load_checkpoint(path, models, optimizers):
         raise CheckpointError(f"{path} does not load: {error}")
     for name, model in models.items():
         set_model_state_dict(model, state[f"{name}/model"], options=StateDictOptions(strict=False))
-        set_optimizer_state_dict(model, optimizers[name], state[f"{name}/optim"])
+        if name not in fresh:
+            set_optimizer_state_dict(model, optimizers[name], state[f"{name}/optim"])
     _set_rng_state(saved["rng"])
     return saved["step"], saved["extra"]
 

@@ -10,6 +10,8 @@ DEMO   := out/demo
 TWDEMO := out/demo-textworld
 SMDEMO := out/demo-smollm2
 SEED   := 0
+# make demo-smollm2 RESUME=auto: go on with the run a SIGTERM or a Ctrl-C stopped, instead of starting it afresh
+RESUME := never
 
 .PHONY: install test test-fast test-gpu demo demo-textworld demo-smollm2 speedrun clean
 
@@ -63,10 +65,10 @@ demo-textworld:
 	$(PY) report.py --run=$(TWDEMO)/run
 
 # The real SmolLM2-135M-Instruct (model=smollm2-135m, converted on first use into the nanoagent cache) on make demo's world:
-# prompts and index made on the spot -> warm start -> GRPO -> greedy evaluation -> report.md
+# prompts and index made on the spot -> warm start -> GRPO -> greedy evaluation -> report.md (RESUME=auto: go on)
 demo-smollm2:
-	rm -rf $(SMDEMO)/run
-	$(PY) train.py --config=demo-smollm2 seed=$(SEED) run_dir=$(SMDEMO)/run
+	[ "$(RESUME)" = auto ] || rm -rf $(SMDEMO)/run
+	$(PY) train.py --config=demo-smollm2 seed=$(SEED) run_dir=$(SMDEMO)/run resume=$(RESUME)
 	$(PY) report.py --run=$(SMDEMO)/run
 
 # One GPU node, all its GPUs: HotpotQA -> index -> RL -> evaluation -> out/speedrun/report.md

@@ -17,6 +17,12 @@ def rank():
     return int(os.environ.get("RANK", "0"))
 
 
+def world_size():
+    """The number of ranks, known before the process group exists (torchrun sets WORLD_SIZE; a plain
+    `python train.py` is a world of one)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def print0(*args, **kwargs):
     """print on rank 0 only, flushed (torchrun buffers the other ranks' output into noise)."""
     if rank() == 0:
@@ -130,6 +136,22 @@ class MetricsLog:
             f.write(json.dumps(metrics) + "\n")
         if self.wandb is not None:
             self.wandb.log(metrics, step=metrics["step"])
+
+
+class Stopped(Exception):
+    """A run that stopped on a signal at a safe point: str() says when, and what was saved; code is the
+    exit status 128 + the signal (143, 130: a run not finished); resumable: whether resume=auto goes on
+    from what it left (else nothing of it was written)."""
+
+    def __init__(self, signum, when, saved, resumable=True):
+        super().__init__(f"{signal.Signals(signum).name} during {when}: {saved}")
+        self.code, self.resumable = 128 + signum, resumable
+
+
+def signal_received(stop):
+    """The signal (SIGTERM: a preemption, SIGINT: a Ctrl-C) any rank has received (stop_on_signals), else
+    0: the same on every rank, so that all of them stop at the same safe point. Collective."""
+    return int(all_reduce([stop["signal"]], "max")[0])
 
 
 def stop_on_signals():

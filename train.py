@@ -55,7 +55,7 @@ from nanoagent.agent import Rollouts
 from nanoagent.batch import balance_groups, group_tokens, step_batch
 from nanoagent.checkpoint import (check_resume, export_hf, load_latest, resume_checkpoint, save_checkpoint,
                                   start_fresh)
-from nanoagent.common import (MetricsLog, Stopped, all_reduce, exit_now, init_distributed, print0,
+from nanoagent.common import (MetricsLog, Stopped, all_reduce, exit_now, init_distributed, logger_problem, print0,
                               seed_everything, signal_received, stop_on_signals, world_size)
 from nanoagent.config import ConfigError, format_config, make_config, reference, save_config, to_dict
 from nanoagent.data import spare_prompts, step_prompts
@@ -86,6 +86,8 @@ def parse_args(argv):
                      "only. vLLM's external launcher needs every rank of a tensor-parallel group to submit "
                      "identical requests, and each rank here rolls out its own prompts with its own seeds; "
                      "use one engine per rank (a 7B model fits one GPU)")
+    if problem := logger_problem(cfg.log):
+        parser.error(problem)
     return cfg
 
 
@@ -288,7 +290,7 @@ def main(argv=None):
                                                        rank, world, device, stop)
     engine.load_weights(full_tensors(policy))
     log = MetricsLog(cfg.run_dir, start_step if checkpoint else None, to_dict(cfg), cfg.log.wandb,
-                     cfg.log.wandb_project)
+                     cfg.log.wandb_project, cfg.log.tensorboard)
     evaluated = cfg.eval.every and not checkpoint  # where RL starts from (a checkpoint of step 0 has it logged)
     if evaluated:
         metrics = {"step": 0, **evaluate(engine, env, task, val_rows, cfg, rank, world)}

@@ -1,6 +1,7 @@
 """Process-level plumbing shared by the entry scripts: distributed set-up, rank-aware printing,
 seeding, the metrics log, timing. It stands on the ground floor: it imports no nanoagent module."""
 
+import importlib
 import json
 import os
 import random
@@ -94,24 +95,27 @@ def seed_everything(seed):
 
 class MetricsLog:
     """
-    One JSON object per line in <run_dir>/metrics.jsonl (rank 0), and wandb when asked for.
-    resumed_step: the step of the checkpoint the run continues from (None: a fresh start). The
-    lines logged after it by the run before (steps it will now do again, a line cut by a kill)
-    are dropped first, so that the file holds each step once; the file is rewritten atomically.
+    One JSON object per line in <run_dir>/metrics.jsonl (rank 0), and when asked for, TensorBoard's event
+    files in <run_dir>/tensorboard (every number of the line, by its name) and wandb. resumed_step: the
+    step of the checkpoint the run continues from (None: a fresh start). The lines logged after it by the
+    run before (steps it will now do again, a line cut by a kill) are dropped first, so that the file
+    holds each step once; the file is rewritten atomically. TensorBoard is told the same: its purge step
+    hides the events of those steps in the files the run before wrote.
     """
 
-    def __init__(self, run_dir, resumed_step, cfg_dict, use_wandb=False, project="nanoagent"):
+    def __init__(self, run_dir, resumed_step, cfg_dict, use_wandb=False, project="nanoagent", tensorboard=False):
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        self.wandb = None
-        if rank() == 0:
-            self._rewind(resumed_step)
-        if use_wandb and rank() == 0:
-            try:
-                import wandb
-            except ImportError:
-                print0("log.wandb=true but wandb is not installed; logging to metrics.jsonl only")
-            else:
-                self.wandb = wandb.init(project=project, config=cfg_dict, dir=run_dir)
+        self.wandb = self.tensorboard = None
+        if rank() != 0:
+            return
+        self._rewind(resumed_step)
+        if tensorboard:  # an optional package (logger_problem said it is there)
+            from torch.utils.tensorboard import SummaryWriter
+            self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"),
+                                             purge_step=0 if resumed_step is None else resumed_step + 1)
+        if use_wandb:
+            import wandb
+            self.wandb = wandb.init(project=project, config=cfg_dict, dir=run_dir)
 
     def _rewind(self, resumed_step):
         kept = []
@@ -134,8 +138,28 @@ class MetricsLog:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
+        if self.tensorboard is not None:
+            for key, value in metrics.items():
+                if key != "step":
+                    self.tensorboard.add_scalar(key, value, metrics["step"])
+            self.tensorboard.flush()  # a run killed later keeps what it logged
         if self.wandb is not None:
             self.wandb.log(metrics, step=metrics["step"])
+
+
+def logger_problem(log):
+    """Why the loggers log (cfg.log) asks for cannot run here, in one line, or None: their packages are
+    optional (wandb is not installed by make install, tensorboard is)."""
+    wanted = [(log.wandb, "wandb", "pip install wandb (then wandb login), or log.tensorboard=true for event "
+                                   "files that TensorBoard reads, offline"),
+              (log.tensorboard, "tensorboard", "make install installs it (or pip install tensorboard)")]
+    for asked, package, how in wanted:
+        if asked:
+            try:
+                importlib.import_module(package)
+            except ImportError:
+                return f"log.{package}=true but the {package} package is not installed: {how}"
+    return None
 
 
 class Stopped(Exception):

@@ -376,3 +376,32 @@ def test_make_demo_smollm2_goes_on_with_resume_auto():
         guard = plan.splitlines()[0]  # what runs before train.py, with the removal said instead of done
         said = subprocess.run(["bash", "-c", guard.replace("rm -rf", "echo rm -rf")], capture_output=True, text=True).stdout
         assert (said == "rm -rf out/demo-smollm2/run\n") == removes, plan
+
+
+@pytest.mark.parametrize("package", ["wandb", "tensorboard"])
+def test_a_logger_whose_package_is_missing_is_refused_in_one_line(package, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, package, None)  # as if not installed: importing it raises ImportError
+    with pytest.raises(SystemExit):
+        train.parse_args(["--config=tiny", f"log.{package}=true"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    # the program's name as argparse gives it (train.py; pytest's own in this process)
+    assert last.split(": ", 1)[1].startswith(f"error: log.{package}=true but the {package} package is not installed: "), last
+    assert ("pip install wandb" if package == "wandb" else "make install installs it") in last
+
+
+def test_tensorboard_event_files_hold_each_step_once_across_a_resume(tmp_path):
+    """log.tensorboard=true: every number of a step's metrics line, under its name, in run_dir/tensorboard;
+    a resume from the checkpoint of step 2 hides what the run before logged after it, as metrics.jsonl drops it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    first = MetricsLog(str(tmp_path), None, {}, tensorboard=True)
+    for step in [0, 1, 2, 3]:
+        first.log({"step": step, "reward": step / 10, "finish/done": 1.0})
+    first.tensorboard.close()
+    resumed = MetricsLog(str(tmp_path), 2, {}, tensorboard=True)
+    resumed.log({"step": 3, "reward": 0.9, "finish/done": 0.5})
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["finish/done", "reward"]
+    assert [(e.step, round(e.value, 6)) for e in events.Scalars("reward")] == [(0, 0.0), (1, 0.1), (2, 0.2), (3, 0.9)]
+    assert [e.value for e in events.Scalars("finish/done")] == [1.0, 1.0, 1.0, 0.5]
+    assert [json.loads(line)["reward"] for line in open(tmp_path / "metrics.jsonl")] == [0.0, 0.1, 0.2, 0.9]

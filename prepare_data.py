@@ -24,6 +24,7 @@ Sampling is seeded: the same options write byte-identical files.
 
 import argparse
 import os
+import shutil
 import sys
 
 from nanoagent.tasks import load_task, task_names
@@ -52,6 +53,7 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    made = not os.path.exists(args.out)  # a folder this run makes goes again if the run fails
     try:
         task = load_task(args.task)
         if task.prepare is None:
@@ -59,7 +61,11 @@ def main(argv=None):
         os.makedirs(args.out, exist_ok=True)
         task.prepare(args.out, args.train_size, args.val_size, args.seed, args.source)
     except (OSError, ValueError) as e:
-        sys.exit(f"prepare_data.py: {e}")
+        if made:
+            shutil.rmtree(args.out, ignore_errors=True)
+        offline = isinstance(e, ConnectionError) and args.source is None  # the hub, offline or out of reach
+        sys.exit(f"prepare_data.py: {e}" + ("; without the hub, pass --source=DIR, a folder of the task's "
+                                            "raw files (see --help)" if offline else ""))
     return 0
 
 

@@ -68,11 +68,15 @@ def main(argv=None):
     print(f"rollout.py: config {source}" + (f", with {' '.join(args.overrides)}" if args.overrides else ""))
     model_path = resolve_model(cfg.model, "rollout.py")
     task = load_task(cfg.data.task)
-    if args.data:
-        samples = load_prompts(args.data, args.limit, cfg.data.bad_prompts)
-    else:
-        samples = check_prompts(task.prompts(cfg, "val"), cfg.data.bad_prompts,
-                                f"{cfg.data.task} val prompts")[:args.limit or None]
+    try:
+        if args.data:
+            samples = load_prompts(args.data, args.limit, cfg.data.bad_prompts)
+        else:
+            samples = check_prompts(task.prompts(cfg, "val"), cfg.data.bad_prompts,
+                                    f"{cfg.data.task} val prompts")[:args.limit or None]
+    except ConfigError as e:  # a prompt file that is missing or does not read, a bad row: one line
+        print(f"rollout.py: {e}", file=sys.stderr)
+        return 2
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     tools = None if args.tools is None else named_tools([t for t in args.tools.split(",") if t], cfg,
                                                         args.index)

@@ -5,7 +5,7 @@ critic and mask-aware GAE, or GRPO, RLOO, REINFORCE or REINFORCE++ without one. 
 gets the new weights after every update.
 
     torchrun --nproc_per_node=8 train.py --config=hotpotqa algo=grpo model=Qwen/Qwen2.5-3B-Instruct
-    torchrun --nproc_per_node=2 train.py --config=tiny algo=ppo steps=2 run_dir=out/tiny   # CPU
+    torchrun --nproc_per_node=2 train.py --config=tiny algo=ppo steps=2 run_dir=out/tiny-2ranks   # CPU
     python train.py --config=tiny train.warm_start_steps=400 train.warm_start_lr=3e-3      # one process
 
 The task (nanoagent/tasks/, by data.task) gives the prompts, the tools or environment, the scoring
@@ -39,9 +39,11 @@ One step, top to bottom:
 """
 
 import argparse
+import json
 import math
 import os
-import signal
+import shlex
+import shutil
 import sys
 import time
 from functools import partial
@@ -54,13 +56,14 @@ from nanoagent.agent import Rollouts
 from nanoagent.batch import balance_groups, group_tokens, step_batch
 from nanoagent.checkpoint import (check_resume, export_hf, load_latest, resume_checkpoint, save_checkpoint,
                                   start_fresh)
-from nanoagent.common import (MetricsLog, StepLines, all_reduce, exit_now, init_distributed, print0,
-                              seed_everything, stop_on_signals)
+from nanoagent.common import (MetricsLog, StepLines, Stopped, all_reduce, exit_now, init_distributed,
+                              logger_problem, print0, seed_everything, signal_received, stop_on_signals,
+                              world_size)
 from nanoagent.config import ConfigError, format_config, make_config, reference, save_config, to_dict
 from nanoagent.data import spare_prompts, step_prompts
 from nanoagent.engine import SamplingConfig, make_engine, pad_token_id
 from nanoagent.hub import resolve_model
-from nanoagent.imitation import imitate
+from nanoagent.imitation import imitate, progress_dir
 from nanoagent.metrics import evaluate, idle_stop, sampled_trajectories, step_line, step_metrics
 from nanoagent.model import (build_models, critic_forward, forward_all, full_tensors, old_policy_forward,
                              policy_forward)
@@ -85,7 +88,25 @@ def parse_args(argv):
                      "only. vLLM's external launcher needs every rank of a tensor-parallel group to submit "
                      "identical requests, and each rank here rolls out its own prompts with its own seeds; "
                      "use one engine per rank (a 7B model fits one GPU)")
+    if problem := logger_problem(cfg.log):
+        parser.error(problem)
     return cfg
+
+
+def command_line(argv, resume=None):
+    """This process's command line, as one types it (under torchrun: the launch on one node, with the
+    rendezvous flags of the launch itself on several), with resume=<resume> in place of any resume= it had."""
+    args = [a for a in argv if not (resume and a.startswith("resume="))] + ([f"resume={resume}"] if resume else [])
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker
+        per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+        nodes = world_size() // per_node
+        launcher = ["torchrun", *([f"--nnodes={nodes}"] if nodes > 1 else []), f"--nproc_per_node={per_node}"]
+    elif shutil.which("python") == sys.executable:
+        launcher = ["python"]
+    else:  # make's .venv/bin/python, or a python that is not the first on PATH
+        inside = sys.executable.startswith(os.getcwd() + os.sep)
+        launcher = [os.path.relpath(sys.executable) if inside else sys.executable]
+    return shlex.join(launcher + [sys.argv[0]] + args)
 
 
 # -----------------------------------------------------------------------------
@@ -190,24 +211,30 @@ def critic_free_advantages(data, rewards, cfg):
 # the run
 
 def check_run(cfg, world):
-    """The checks a run makes before it builds anything: the batch sizes against the ranks, and with
-    resume=auto the latest complete checkpoint (returned, or None) against this config: the keys a
-    resume may change are applied and printed, a change of a fixed one is refused."""
+    """The checks a run makes before it builds anything, on every rank alike: the batch sizes against the
+    ranks, and with resume=auto the latest complete checkpoint (returned, or None), or else an unfinished
+    warm start's, against this config: the keys a resume may change are applied and printed, a change of
+    a fixed one is refused."""
     sizes = (cfg.rollout.prompts_per_step, cfg.ppo.mini_batch_size, cfg.train.warm_start_batch_size)
     if any(n % world for n in sizes):
         raise ConfigError(f"rollout.prompts_per_step, ppo.mini_batch_size and train.warm_start_batch_size "
                           f"{sizes} must each be a multiple of the number of ranks ({world})")
     checkpoint = resume_checkpoint(cfg.run_dir) if cfg.resume == "auto" else None
-    for change in check_resume(checkpoint, cfg) if checkpoint else []:
-        print0(f"resume changes {change}")
+    warm = None
+    if cfg.resume == "auto" and not checkpoint and cfg.train.warm_start_steps:
+        warm = resume_checkpoint(progress_dir(os.path.join(cfg.run_dir, "warm_start")))
+    for path, steps_key in [(checkpoint, "steps"), (warm, "train.warm_start_steps")]:
+        for change in check_resume(path, cfg, steps_key) if path else []:
+            print0(f"resume changes {change}")
     print0(format_config(cfg))
     return checkpoint
 
 
-def resume_or_warm_start(cfg, task, env, train_rows, models, optimizers, ref, rank, world, device):
+def resume_or_warm_start(cfg, task, env, train_rows, models, optimizers, ref, rank, world, device, stop):
     """Resume from the latest complete checkpoint (resume=auto), else warm-start the policy by imitation of
-    the task's demonstrations (train.warm_start_steps), saved to run_dir/warm_start, which becomes the KL
-    reference. Returns (the checkpoint or None, the step to start from, the reference)."""
+    the task's demonstrations (train.warm_start_steps; an unfinished one goes on where it stopped), saved
+    to run_dir/warm_start, which becomes the KL reference. Returns (the checkpoint or None, the step to
+    start from, the reference)."""
     resumed = load_latest(cfg.run_dir, models, optimizers) if cfg.resume == "auto" else (None, 0, None)
     checkpoint, start_step, _ = resumed
     if checkpoint:
@@ -218,35 +245,32 @@ def resume_or_warm_start(cfg, task, env, train_rows, models, optimizers, ref, ra
                               "demonstrations")
         warm_dir = os.path.join(cfg.run_dir, "warm_start")
         ref = imitate(models["policy"], env, train_rows, task.demonstration, warm_dir, cfg, rank, world,
-                      device, getattr(task, "summarize", None))
+                      device, stop, getattr(task, "summarize", None))
     return checkpoint, start_step, ref
 
 
-def signal_received(stop):
-    """The signal (SIGTERM: a preemption, SIGINT: a Ctrl-C) any rank has received, else 0: the same on
-    every rank, so that all of them stop at the same safe point."""
-    return int(all_reduce([stop["signal"]], "max")[0])
-
-
 def checkpoint_and_stop(signum, when, step, saved_step, save):
-    """The checkpoint of `step` (unless it is saved already), and the exit code 128 + the signal (143,
-    130: a run not finished)."""
+    """The checkpoint of `step` (unless it is saved already), then common.Stopped, which the end of this
+    file says in one line with the command that goes on."""
     if saved_step != step:
         save(step)
-    print0(f"{signal.Signals(signum).name} during {when}: checkpoint of step {step} written, stopping")
-    return 128 + signum
+    raise Stopped(signum, when, f"checkpoint of step {step} written")
 
 
 def main(argv=None):
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
+    # a SIGTERM (a preemption) or a Ctrl-C from here on is acted on at the next safe point, on every rank
+    stop = stop_on_signals()
     model_path = resolve_model(cfg.model, "train.py")  # before the process group: see resolve_model
-    rank, world, device = init_distributed()
-    seed_everything(cfg.seed + rank)
-    checkpoint = check_run(cfg, world)
-
-    # the task, the models, the rollout engine (colocated in this process)
+    # what may refuse the run (a resume, the data) is checked on every rank before the process group
+    # exists: each rank is refused alike, rank 0 says why, and none is left waiting for another to connect
+    checkpoint = check_run(cfg, world_size())
     task, tokenizer = load_task(cfg.data.task), AutoTokenizer.from_pretrained(model_path)
     train_rows, val_rows, env = task_data(task, cfg, tokenizer)
+
+    # the models, the rollout engine (colocated in this process)
+    rank, world, device = init_distributed()
+    seed_everything(cfg.seed + rank)
     warm_dir = os.path.join(cfg.run_dir, "warm_start")  # the warm-started policy: RL's start and KL reference
     models, ref, optimizers = build_models(cfg, model_path, warm_dir if checkpoint else None, device)
     policy, critic, r = models["policy"], models.get("critic"), cfg.rollout
@@ -255,6 +279,8 @@ def main(argv=None):
     rollouts = Rollouts(engine, env, SamplingConfig(r.max_new_tokens, r.temperature, r.top_p), r.max_turns,
                         r.max_context_tokens)
     # everything is built: only now is the run folder touched (a start that failed leaves it as it was)
+    if signum := signal_received(stop):
+        raise Stopped(signum, "the start", "nothing to save (the run folder is as it was)", resumable=False)
     if cfg.resume == "never" and (aside := start_fresh(cfg.run_dir)):
         print0(f"resume=never: the run in {cfg.run_dir} was moved aside to {aside}")
     os.makedirs(cfg.run_dir, exist_ok=True)
@@ -263,17 +289,16 @@ def main(argv=None):
 
     # resume, or warm start by imitation; then the engine gets the policy's weights
     checkpoint, start_step, ref = resume_or_warm_start(cfg, task, env, train_rows, models, optimizers, ref,
-                                                       rank, world, device)
+                                                       rank, world, device, stop)
     engine.load_weights(full_tensors(policy))
     log = MetricsLog(cfg.run_dir, start_step if checkpoint else None, to_dict(cfg), cfg.log.wandb,
-                     cfg.log.wandb_project)
+                     cfg.log.wandb_project, cfg.log.tensorboard)
     samples = StepLines(os.path.join(cfg.run_dir, "trajectories.jsonl"), start_step if checkpoint else None)
-    if cfg.eval.every and not checkpoint:  # where RL starts from (a checkpoint of step 0 has it logged)
+    evaluated = cfg.eval.every and not checkpoint  # where RL starts from (a checkpoint of step 0 has it logged)
+    if evaluated:
         metrics = {"step": 0, **evaluate(engine, env, task, val_rows, cfg, rank, world)}
         print0("step    0 | " + " | ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k != "step"))
         log.log(metrics)
-    # a SIGTERM or a Ctrl-C is acted on at the next safe point, after the rollout or the update, on every rank
-    stop = stop_on_signals()
     saved_step, idle = start_step if checkpoint else None, 0  # idle: steps in a row that trained nothing
     carried = []  # the groups a partial rollout paused, to go on in the next step (a resume starts without)
     pad_id = pad_token_id(tokenizer)
@@ -287,6 +312,10 @@ def main(argv=None):
         print0(f"checkpoint: {path}")
         return step
 
+    # a signal during the warm start's last step or the evaluation: RL's start is saved (the warm start kept)
+    if signum := signal_received(stop):
+        checkpoint_and_stop(signum, "the evaluation at step 0" if evaluated else "the start", start_step,
+                            saved_step, save)
     loop_start = time.perf_counter()  # for the step line's elapsed time and ETA
     for step in range(start_step, cfg.steps):
         t0 = time.perf_counter()
@@ -305,7 +334,7 @@ def main(argv=None):
         engine.sleep()
         # a SIGTERM or Ctrl-C: the rollout is dropped, and the state this step started from is saved
         if (signum := signal_received(stop)):
-            return checkpoint_and_stop(signum, f"step {step + 1}'s rollout", step, saved_step, save)
+            checkpoint_and_stop(signum, f"step {step + 1}'s rollout", step, saved_step, save)
         # 2. rewards: on the action tokens that train
         data = balanced_step_data(trajs, pad_id, cfg, world)
         batch, mask, rewards = data.batch, data.batch["action_mask"], data.rewards
@@ -366,7 +395,7 @@ def main(argv=None):
         if idle_out:
             raise ConfigError(idle_stop(metrics, idle))
         if stopping:
-            return checkpoint_and_stop(stopping, f"step {step + 1}", step + 1, saved_step, save)
+            checkpoint_and_stop(stopping, f"step {step + 1}", step + 1, saved_step, save)
 
     export_dir = os.path.join(cfg.run_dir, "hf")
     dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
@@ -382,8 +411,18 @@ if __name__ == "__main__":
     except ConfigError as e:  # a setting found unworkable once the run had started (its data, a resume):
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one line in each node's log
             print(f"train.py: error: {e}", file=sys.stderr, flush=True)
+        if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's failure report ends with it
+            line = f"train.py: error: {e}"
+            with open(error_file, "w") as f:
+                json.dump({"message": {"message": line,
+                                       "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
         code = 2
-    except KeyboardInterrupt:  # a Ctrl-C before the loop (nothing to save yet), or the second one
-        print0("train.py: interrupted; resume=auto goes on from the last checkpoint, if there is one")
+    except Stopped as e:  # a SIGTERM or a Ctrl-C, acted on at a safe point: what was saved, and what next
+        print0(f"{e}; to go on: {command_line(sys.argv[1:], 'auto')}" if e.resumable else
+               f"{e}; to start again: {command_line(sys.argv[1:])}")
+        code = e.code
+    except KeyboardInterrupt:  # the second Ctrl-C: at once, without a checkpoint
+        print0(f"train.py: interrupted; to go on from the last checkpoint, if there is one: "
+               f"{command_line(sys.argv[1:], 'auto')}")
         code = 130
     exit_now(code)

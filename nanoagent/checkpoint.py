@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from transformers import AutoModelForCausalLM
 
-from nanoagent.common import print0
+from nanoagent.common import print0, world_size
 from nanoagent.config import ConfigError, flatten, saved_keys, to_dict
 from nanoagent.keys import fixed_keys
 from nanoagent.model import merged_state_dict
@@ -236,14 +236,17 @@ def save_checkpoint(run_dir, step, models, optimizers, extra, config, keep_last=
                 _restore(os.path.join(folder, os.path.splitext(name)[0]))
         os.makedirs(final + ".tmp")
     dist.barrier()
-    state = {}
+    state, fresh = {}, []
     for name, model in models.items():
         state[f"{name}/model"] = trained_state_dict(model)
-        state[f"{name}/optim"] = get_optimizer_state_dict(model, optimizers[name])
+        if optimizers[name].state:
+            state[f"{name}/optim"] = get_optimizer_state_dict(model, optimizers[name])
+        else:  # not stepped yet (a save at step 0): get_optimizer_state_dict would give it a first step
+            fresh.append(name)
     # each rank fsyncs the files it writes (DCP's sync_files)
     dcp.save(state, checkpoint_id=final + ".tmp")
     _write_json(os.path.join(final + ".tmp", f"rank{rank}.json"),
-                {"step": step, "extra": extra, "rng": _rng_state()})
+                {"step": step, "extra": extra, "rng": _rng_state(), "fresh_optimizers": fresh})
     dist.barrier()
     # a run_dir on each node's own disk would leave rank 0 marking complete a folder without the
     # other nodes' shards
@@ -264,20 +267,22 @@ def save_checkpoint(run_dir, step, models, optimizers, extra, config, keep_last=
     return final
 
 
-def check_resume(path, cfg):
+def check_resume(path, cfg, steps_key="steps"):
     """
-    Before resuming from `path` with cfg: refuse (ConfigError) a checkpoint beyond cfg.steps,
-    another world size, or a change of a key declared fixed (nanoagent/keys.py), naming them all;
-    return the changes that apply, as "key: old -> new" lines.
+    Before resuming from `path` with cfg: refuse (ConfigError) a checkpoint beyond cfg's `steps_key`
+    (steps; train.warm_start_steps for an unfinished warm start's), another world size, or a change of
+    a key declared fixed (nanoagent/keys.py), naming them all; return the changes that apply, as
+    "key: old -> new" lines. Reads files and the environment only: train.py calls it before the
+    process group exists.
     """
-    marker = _read_json(os.path.join(path, MARKER))
-    if marker["step"] > cfg.steps:
-        raise ConfigError(f"{path} is at step {marker['step']}, beyond steps={cfg.steps}: resume with "
-                          f"steps >= {marker['step']}, or start a new run with resume=never (the old one "
-                          f"is moved aside) or another run_dir")
-    if marker["world_size"] != dist.get_world_size():
+    marker, last = _read_json(os.path.join(path, MARKER)), flatten(to_dict(cfg))[steps_key]
+    if marker["step"] > last:
+        raise ConfigError(f"{path} is at step {marker['step']}, beyond {steps_key}={last}: resume with "
+                          f"{steps_key} >= {marker['step']}, or start a new run with resume=never (the old "
+                          f"one is moved aside) or another run_dir")
+    if marker["world_size"] != world_size():
         raise ConfigError(f"{path} was written by {marker['world_size']} ranks and this run has "
-                          f"{dist.get_world_size()}: the data position and the RNG states are per rank; "
+                          f"{world_size()}: the data position and the RNG states are per rank; "
                           f"resume on {marker['world_size']} ranks (torchrun's nnodes x nproc_per_node), "
                           "or start a new run with resume=never (the old one is moved aside) "
                           "or another run_dir")
@@ -317,10 +322,11 @@ def load_checkpoint(path, models, optimizers):
         error = _reason(e)
     if error := _agree(error):
         raise CheckpointError(f"{path} does not load: {error}")
-    state = {}
+    state, fresh = {}, saved.get("fresh_optimizers", [])
     for name, model in models.items():
         state[f"{name}/model"] = trained_state_dict(model)
-        state[f"{name}/optim"] = get_optimizer_state_dict(model, optimizers[name])
+        if name not in fresh:
+            state[f"{name}/optim"] = get_optimizer_state_dict(model, optimizers[name])
     try:
         dcp.load(state, storage_reader=CheckedReader(path), planner=CheckedPlanner())
     # whatever a damaged or unsafe file raises (DCP's is a BaseException)
@@ -330,7 +336,8 @@ def load_checkpoint(path, models, optimizers):
         raise CheckpointError(f"{path} does not load: {error}")
     for name, model in models.items():
         set_model_state_dict(model, state[f"{name}/model"], options=StateDictOptions(strict=False))
-        set_optimizer_state_dict(model, optimizers[name], state[f"{name}/optim"])
+        if name not in fresh:
+            set_optimizer_state_dict(model, optimizers[name], state[f"{name}/optim"])
     _set_rng_state(saved["rng"])
     return saved["step"], saved["extra"]
 

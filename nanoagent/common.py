@@ -1,6 +1,7 @@
 """Process-level plumbing shared by the entry scripts: distributed set-up, rank-aware printing,
 seeding, the metrics log, timing. It stands on the ground floor: it imports no nanoagent module."""
 
+import importlib
 import json
 import os
 import random
@@ -15,6 +16,12 @@ import torch.distributed as dist
 
 def rank():
     return int(os.environ.get("RANK", "0"))
+
+
+def world_size():
+    """The number of ranks, known before the process group exists (torchrun sets WORLD_SIZE; a plain
+    `python train.py` is a world of one)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def print0(*args, **kwargs):
@@ -126,25 +133,65 @@ class StepLines:
 
 class MetricsLog:
     """One JSON object per step in <run_dir>/metrics.jsonl (StepLines: rank 0, each step once across a
-    resume), and wandb when asked for."""
+    resume), and when asked for, TensorBoard's event files in <run_dir>/tensorboard (every number of the
+    line, by its name) and wandb. TensorBoard is told of a resume too: its purge step hides the events of
+    the steps done again in the files the run before wrote."""
 
-    def __init__(self, run_dir, resumed_step, cfg_dict, use_wandb=False, project="nanoagent"):
+    def __init__(self, run_dir, resumed_step, cfg_dict, use_wandb=False, project="nanoagent", tensorboard=False):
         self.lines = StepLines(os.path.join(run_dir, "metrics.jsonl"), resumed_step)
-        self.wandb = None
-        if use_wandb and rank() == 0:
-            try:
-                import wandb
-            except ImportError:
-                print0("log.wandb=true but wandb is not installed; logging to metrics.jsonl only")
-            else:
-                self.wandb = wandb.init(project=project, config=cfg_dict, dir=run_dir)
+        self.wandb = self.tensorboard = None
+        if rank() != 0:
+            return
+        if tensorboard:  # an optional package (logger_problem said it is there)
+            from torch.utils.tensorboard import SummaryWriter
+            self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"),
+                                             purge_step=0 if resumed_step is None else resumed_step + 1)
+        if use_wandb:
+            import wandb
+            self.wandb = wandb.init(project=project, config=cfg_dict, dir=run_dir)
 
     def log(self, metrics):
         if rank() != 0:
             return
         self.lines.write([metrics])
+        if self.tensorboard is not None:
+            for key, value in metrics.items():
+                if key != "step":
+                    self.tensorboard.add_scalar(key, value, metrics["step"])
+            self.tensorboard.flush()  # a run killed later keeps what it logged
         if self.wandb is not None:
             self.wandb.log(metrics, step=metrics["step"])
+
+
+def logger_problem(log):
+    """Why the loggers log (cfg.log) asks for cannot run here, in one line, or None: their packages are
+    optional (wandb is not installed by make install, tensorboard is)."""
+    wanted = [(log.wandb, "wandb", "pip install wandb (then wandb login), or log.tensorboard=true for event "
+                                   "files that TensorBoard reads, offline"),
+              (log.tensorboard, "tensorboard", "make install installs it (or pip install tensorboard)")]
+    for asked, package, how in wanted:
+        if asked:
+            try:
+                importlib.import_module(package)
+            except ImportError:
+                return f"log.{package}=true but the {package} package is not installed: {how}"
+    return None
+
+
+class Stopped(Exception):
+    """A run that stopped on a signal at a safe point: str() says when, and what was saved; code is the
+    exit status 128 + the signal (143, 130: a run not finished); resumable: whether resume=auto goes on
+    from what it left (else nothing of it was written)."""
+
+    def __init__(self, signum, when, saved, resumable=True):
+        super().__init__(f"{signal.Signals(signum).name} during {when}: {saved}")
+        self.code, self.resumable = 128 + signum, resumable
+
+
+def signal_received(stop):
+    """The signal (SIGTERM: a preemption, SIGINT: a Ctrl-C) any rank has received (stop_on_signals), else
+    0: the same on every rank, so that all of them stop at the same safe point. Collective."""
+    return int(all_reduce([stop["signal"]], "max")[0])
 
 
 def stop_on_signals():

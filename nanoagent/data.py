@@ -28,20 +28,31 @@ FILE_FIELDS = ("game",)
 def load_prompts(path, limit=0, bad_prompts="refuse"):
     """
     The rows of a prompt file, messages decoded and every row checked (check_prompts; bad_prompts
-    says whether bad rows refuse the file or are dropped). A missing or empty file is refused with
-    its path: an empty split would otherwise fail only later, mid-run.
+    says whether bad rows refuse the file or are dropped). A file that is missing, empty or does not
+    read is refused in one line (ConfigError, as train.py prints it) with its path, a bad JSONL row
+    with its line: an empty split would otherwise fail only later, mid-run.
     """
     if not os.path.exists(path):
-        raise FileNotFoundError(f"prompt file {path!r} does not exist (write it with prepare_data.py)")
-    if path.endswith(".parquet"):
-        rows = pq.read_table(path).to_pylist()
-    elif path.endswith(".jsonl"):
-        with open(path) as f:
-            rows = [_json_or_text(line) for line in f if line.strip()]
-    else:
-        raise ValueError(f"prompt file {path!r}: expected .parquet or .jsonl")
+        raise ConfigError(f"prompt file {path!r} does not exist (write it with prepare_data.py)")
+    lines = None  # a JSONL row's line in the file, 1-based, to name a bad row by
+    try:
+        if path.endswith(".parquet"):
+            rows = pq.read_table(path).to_pylist()
+        elif path.endswith(".jsonl"):
+            with open(path, encoding="utf-8") as f:
+                numbered = [(n, _json_or_text(line)) for n, line in enumerate(f, 1) if line.strip()]
+            lines, rows = [n for n, _ in numbered], [row for _, row in numbered]
+        else:
+            raise ConfigError(f"prompt file {path!r}: expected .parquet or .jsonl")
+    except pa.ArrowException as e:  # a truncated or overwritten file: "magic bytes not found in footer"
+        reason = str(e).strip().splitlines()[0]
+        raise ConfigError(f"prompt file {path!r} is not a parquet file that reads ({reason}); write it "
+                          "again with prepare_data.py") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"prompt file {path!r} is not UTF-8 text ({e}); JSONL is one JSON object a "
+                          "line") from None
     if not rows:
-        raise ValueError(f"prompt file {path!r} has no rows; write it again with prepare_data.py")
+        raise ConfigError(f"prompt file {path!r} has no rows; write it again with prepare_data.py")
     prompt_dir = os.path.dirname(os.path.abspath(path))
     for row in rows:
         if not isinstance(row, dict):
@@ -51,7 +62,7 @@ def load_prompts(path, limit=0, bad_prompts="refuse"):
         for field in FILE_FIELDS:
             if isinstance(row.get(field), str):
                 row[field] = os.path.join(prompt_dir, row[field])  # an absolute path stays as it is
-    rows = check_prompts(rows, bad_prompts, path)
+    rows = check_prompts(rows, bad_prompts, path, lines)
     return rows[:limit] if limit else rows
 
 
@@ -90,12 +101,13 @@ def row_problem(row, seen_ids):
     return None
 
 
-def check_prompts(rows, bad_prompts, source):
+def check_prompts(rows, bad_prompts, source, lines=None):
     """
     The rows a run can train on (row_problem): bad ones are refused with their count and the first
-    ids (bad_prompts="refuse"), or dropped and counted ("drop"). load_prompts checks every file it
-    reads, and train.py every task's prompts (files or made on the spot) on every rank, before any
-    collective. 100k rows: under a second.
+    ids (bad_prompts="refuse"), or dropped and counted ("drop"); a bad row without an id is named by
+    its line in a JSONL file (lines: each row's, 1-based), else by its index in rows. load_prompts
+    checks every file it reads, and train.py every task's prompts (files or made on the spot) on every
+    rank, before any collective. 100k rows: under a second.
     """
     seen, bad, kept = set(), [], []
     for i, row in enumerate(rows):
@@ -103,16 +115,17 @@ def check_prompts(rows, bad_prompts, source):
         if problem is None:
             kept.append(row)
         else:
-            name = row.get("id") if isinstance(row, dict) and row.get("id") not in (None, "") else f"row {i}"
+            where = f"row {i}" if lines is None else f"line {lines[i]}"
+            name = row.get("id") if isinstance(row, dict) and row.get("id") not in (None, "") else where
             bad.append(f"{name} ({problem})")
     if bad and bad_prompts == "refuse":
-        raise ValueError(f"{source}: {len(bad)} of {len(rows)} prompts cannot be trained on "
+        raise ConfigError(f"{source}: {len(bad)} of {len(rows)} prompts cannot be trained on "
                          f"(first: {'; '.join(bad[:3])}); fix them or set data.bad_prompts=drop")
     if bad:
         print0(f"{source}: dropped {len(bad)} of {len(rows)} prompts that cannot be trained on "
                f"(first: {'; '.join(bad[:3])})")
     if not kept:
-        raise ValueError(f"{source}: no prompts to train on")
+        raise ConfigError(f"{source}: no prompts to train on")
     return kept
 
 
@@ -126,7 +139,7 @@ def fit_prompts(rows, lengths, max_tokens, bad_prompts, source):
     """
     over = [row["id"] for row, n in zip(rows, lengths) if n > max_tokens]
     if over and bad_prompts == "refuse":
-        raise ValueError(f"{source}: {len(over)} of {len(rows)} prompts are longer than "
+        raise ConfigError(f"{source}: {len(over)} of {len(rows)} prompts are longer than "
                          f"data.max_prompt_tokens={max_tokens} (first: {', '.join(map(str, over[:3]))}); "
                          "raise data.max_prompt_tokens or set data.bad_prompts=drop")
     kept = [row for row, n in zip(rows, lengths) if n <= max_tokens]
@@ -134,7 +147,7 @@ def fit_prompts(rows, lengths, max_tokens, bad_prompts, source):
         print0(f"{source}: dropped {len(over)} of {len(rows)} prompts longer than "
                f"data.max_prompt_tokens={max_tokens} (first: {', '.join(map(str, over[:3]))})")
     if not kept:
-        raise ValueError(f"{source}: no prompts to train on")
+        raise ConfigError(f"{source}: no prompts to train on")
     return kept
 
 

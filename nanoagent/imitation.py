@@ -3,22 +3,38 @@ Warm start by imitation, before RL: a tiny or small model rarely earns a reward 
 without rewards that vary GRPO and PPO have nothing to learn from. The task's scripted
 demonstrations are imitated through the same trajectory assembly, forward passes, mask and loss
 aggregation as RL, so what the warm start trains is exactly what RL will score.
+
+A warm start can take a while (SmolLM2's 12 steps: ~30 minutes on 2 busy cores), so a SIGTERM or a
+Ctrl-C during it stops at the next step boundary with a checkpoint (the policy and this AdamW's state,
+in run_dir/warm_start_progress, as checkpoint.py writes RL's), and resume=auto goes on from that step.
+Its batches are drawn up front from a seeded stream, so the resumed warm start is the one that would
+have run: the same batches, the same optimizer state, the same weights in the end.
 """
 
 import random
+import shutil
+import time
 
 import torch
 
 from nanoagent import rl
 from nanoagent.agent import scripted_trajectories
 from nanoagent.batch import collate, micro_steps
-from nanoagent.checkpoint import export_hf
-from nanoagent.common import all_reduce, print0
+from nanoagent.checkpoint import export_hf, load_latest, save_checkpoint
+from nanoagent.common import Stopped, all_reduce, print0, signal_received
+from nanoagent.config import to_dict
 from nanoagent.engine import pad_token_id
+from nanoagent.metrics import duration
 from nanoagent.model import load_reference, merge_adapters, policy_forward
 
 
-def imitate(policy, env, rows, demonstrate, warm_dir, cfg, rank, world, device, summarize=None):
+def progress_dir(warm_dir):
+    """Where an unfinished warm start's checkpoint is kept (a run_dir for save_checkpoint): beside warm_dir,
+    and deleted once warm_dir is written."""
+    return warm_dir + "_progress"
+
+
+def imitate(policy, env, rows, demonstrate, warm_dir, cfg, rank, world, device, stop, summarize=None):
     """
     Warm start by imitation of the task's scripted demonstrations, through the same trajectory
     assembly, forward, mask and loss aggregation as RL: maximise the logprob of the demonstrated
@@ -26,8 +42,10 @@ def imitate(policy, env, rows, demonstrate, warm_dir, cfg, rank, world, device, 
     The warm-started policy, where RL starts, is written to warm_dir (a resume reads it back); returns
     the KL reference read from it (None without a KL term). With LoRA the adapters are trained, then
     merged into the base (model.merge_adapters): RL's adapters start from B = 0 on the warm-started
-    policy, which is also their base and the KL reference. summarize: the task's, for the summary turns
-    of rollout.context=summary (scripted_trajectories).
+    policy, which is also their base and the KL reference. stop: common.stop_on_signals'; a signal
+    stops it at the next step boundary with a checkpoint of that step (raises common.Stopped), which
+    resume=auto continues from. summarize: the task's, for the summary turns of rollout.context=summary
+    (scripted_trajectories).
     """
     rng = random.Random(f"{cfg.seed}-demos-{rank}")
     mine = rows[rank::world]
@@ -41,7 +59,17 @@ def imitate(policy, env, rows, demonstrate, warm_dir, cfg, rank, world, device, 
                                                   [scripts[i] for i in drawn], summarize)))
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.train.warm_start_lr,
                                   weight_decay=0.0)
-    for step in range(cfg.train.warm_start_steps):
+    models, optimizers, progress = {"policy": policy}, {"policy": optimizer}, progress_dir(warm_dir)
+    path, start, _ = load_latest(progress, models, optimizers) if cfg.resume == "auto" else (None, 0, None)
+    if path:
+        for group in optimizer.param_groups:  # a resume may change it (check_resume printed so)
+            group["lr"] = cfg.train.warm_start_lr
+        print0(f"warm start resumed from {path} at step {start}")
+    steps, begun = cfg.train.warm_start_steps, time.perf_counter()
+    for step in range(start, steps):
+        if signum := signal_received(stop):
+            save_checkpoint(progress, step, models, optimizers, {}, to_dict(cfg), keep_last=1)
+            raise Stopped(signum, "the warm start", f"checkpoint of its step {step}/{steps} written")
         batch = collate([demos[i] for i in draws[step]], pad_token_id(env.tokenizer))
         rows = list(range(len(batch["lengths"])))
         # over all ranks: the loss is one global token mean
@@ -58,10 +86,13 @@ def imitate(policy, env, rows, demonstrate, warm_dir, cfg, rank, world, device, 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         [loss_sum, batch_size] = all_reduce([loss_sum, len(rows)])
-        if step % 20 == 0 or step == cfg.train.warm_start_steps - 1:
-            print0(f"warm start {step + 1:4d}/{cfg.train.warm_start_steps} | nll {loss_sum:.4f} | "
-                   f"{batch_size:.0f} demonstrations")
+        elapsed = time.perf_counter() - begun
+        eta = elapsed / (step + 1 - start) * (steps - step - 1)
+        print0(f"warm start {step + 1:4d}/{steps} | nll {loss_sum:.4f} | {batch_size:.0f} demonstrations | "
+               f"elapsed {duration(elapsed)} eta {duration(eta)}")
     if policy.lora_config is not None:
         merge_adapters(policy)
     export_hf(policy, env.tokenizer, warm_dir, getattr(torch, cfg.train.dtype))
+    if rank == 0:  # warm_dir holds the result now
+        shutil.rmtree(progress, ignore_errors=True)
     return load_reference(cfg, warm_dir, policy, device)

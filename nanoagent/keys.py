@@ -237,7 +237,8 @@ class EvalConfig:
 
 @dataclass
 class LogConfig:
-    wandb: bool = opt(False, "also log to Weights & Biases (when installed)")
+    wandb: bool = opt(False, "also log to Weights & Biases (pip install wandb: make install leaves it out)")
+    tensorboard: bool = opt(False, "also write TensorBoard's event files, offline, to run_dir/tensorboard")
     wandb_project: str = opt("nanoagent", "wandb project")
     trajectories_per_step: int = opt(
         2, "groups of each step kept for report.py's trajectory viewer (trajectories.jsonl); 0: none", low=0)

@@ -26,6 +26,8 @@ from typing import Callable
 
 import jsonschema
 
+from nanoagent.keys import ConfigError
+
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 CALL_END = "</tool_call>"  # a turn that calls tools ends here: the engines stop on it (engine.stop_strings)
 
@@ -388,7 +390,11 @@ def make_tools(names, index_dir=None, encoder=None, top_k=3):
                 raise ValueError("the search tool needs an index folder: build one with build_index.py and "
                                  "pass it (task.index_dir=DIR for train.py, --index DIR for rollout.py)")
             from nanoagent.retriever import IndexRetriever
-            tools.append(search_tool(IndexRetriever(index_dir, encoder), top_k))
+            try:
+                retriever = IndexRetriever(index_dir, encoder)
+            except (OSError, ValueError) as e:  # no index there, a build not finished, another encoder's
+                raise ConfigError(str(e)) from None  # one line, as train.py prints a setting's error
+            tools.append(search_tool(retriever, top_k))
         else:
             raise ValueError(f"unknown tool {name!r}; built-in tools: calculator, search")
     return tools

@@ -280,6 +280,7 @@ def test_empty_prompt_files_are_refused_with_their_path(tmp_path):
 
 def test_prepare_refuses_an_empty_split(hotpot_dir, tmp_path):
     (hotpot_dir / "hotpot_dev_distractor_v1.json").write_text("[]")
+    (tmp_path / "out").mkdir()  # a folder that was there stays (one prepare_data.py made goes: test_newcomer.py)
     with pytest.raises(SystemExit, match="the val split has no prompts; nothing written to"):
         prepare_data.main(["--task=hotpotqa", f"--source={hotpot_dir}", f"--out={tmp_path / 'out'}"])
     assert os.listdir(tmp_path / "out") == []  # no train file either: a split is checked before anything is written

@@ -3,15 +3,28 @@ What a new user ran into (issue 42): rollout.py evaluating a trained model under
 config, not the defaults; TextWorld games found next to the prompt file that names them, whoever
 reads it; a model name that cannot be loaded, a run folder or a checkpoint folder passed as a model,
 refused at once in one line; build_index.py's default encoder, offline.
+
+And on a busy 2-core machine (issue 59): a SIGTERM or a Ctrl-C in any phase of a run (the build, the
+warm start, the evaluation at step 0) stops at a safe point with a checkpoint, or says there was nothing
+to save, and prints the command that goes on, which goes on exactly; the warm start shows its progress
+every step; data errors in one line (a missing or corrupt prompt file, a bad JSONL line by its number,
+prepare_data.py offline); a refused run under torchrun said by the rank that knows why, alone and last;
+the loggers: wandb's absence said in one line, TensorBoard's event files.
 """
 
 import glob
 import json
 import os
+import re
+import shlex
 import shutil
 import socket
+import subprocess
 import sys
+import time
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
@@ -21,9 +34,10 @@ import procs
 import rollout
 import train
 from nanoagent.agent import scripted_trajectories
-from nanoagent.config import make_config, save_config
+from nanoagent.common import MetricsLog
+from nanoagent.config import ConfigError, make_config, save_config
 from nanoagent.data import load_prompts, write_prompts
-from nanoagent import hub, retriever
+from nanoagent import hub, retriever, tools
 from nanoagent.tasks import arithmetic, task_data, textworld
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -206,3 +220,191 @@ def test_build_index_default_encoder_works_offline_and_search_loads_it(tmp_path,
             build_index.main([f"--corpus={corpus}", f"--out={tmp_path / 'other'}", f"--encoder={encoder}"])
         assert str(exit.value).startswith(f"build_index.py: {message}"), exit.value
         assert len(str(exit.value).splitlines()) == 1, exit.value
+
+
+# -----------------------------------------------------------------------------
+# issue 59: stops, data errors, torchrun, loggers
+
+# the tiny model on arithmetic: a warm start of 12 steps, the evaluation at step 0, one GRPO step
+STOPPABLE = ["--config=tiny", "train.warm_start_steps=12", "train.warm_start_batch_size=8", "rollout.engine=hf", "steps=1",
+             "eval.every=1", "task.num_val=8", "rollout.prompts_per_step=4", "rollout.max_turns=2", "ppo.mini_batch_size=8"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def sigterm_after(cmd, text, log):
+    """Run cmd (its output to log), SIGTERM it once its output holds text; its exit status and output."""
+    with open(log, "w") as out:
+        proc = procs.start(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=ENV)
+    while text not in open(log).read():
+        assert proc.poll() is None, open(log).read()[-3000:]
+        time.sleep(0.05)
+    proc.terminate()
+    return proc.wait(timeout=600), open(log).read()
+
+
+def go_on(out, how="to go on"):
+    """The command a stopped run printed, as a list."""
+    found = re.search(rf"; {how}: (.*)$", out, re.MULTILINE)
+    assert found, out[-3000:]
+    return shlex.split(found.group(1))
+
+
+@pytest.mark.slow
+def test_a_signal_in_any_phase_stops_at_a_safe_point_and_the_command_it_prints_goes_on_exactly(tmp_path):
+    """
+    One run, stopped in each phase before RL: during the build (nothing to save, the run folder left as it
+    was), during the warm start (a checkpoint at the next warm-start step), during its last step, whose
+    export and evaluation at step 0 end first (a checkpoint of step 0, the warm start kept); each time the
+    command it printed goes on, and the run it makes is the one a run never stopped makes beside it: the
+    same warm-start losses, the same warm-started weights, the same metrics and the same weights after the
+    RL step. The warm start says every step how far it is, with its elapsed time and ETA.
+    """
+    run_dir, straight_dir = tmp_path / "run", tmp_path / "straight"
+    cmd = [sys.executable, "train.py", *STOPPABLE, f"run_dir={run_dir}"]
+    straight = procs.start([sys.executable, "train.py", *STOPPABLE, f"run_dir={straight_dir}"], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=ENV)
+    # the build: the config is printed before it starts
+    code, out = sigterm_after(cmd, "run_dir = ", tmp_path / "0.log")
+    assert code == 143 and "SIGTERM during the start: nothing to save (the run folder is as it was)" in out, out[-3000:]
+    assert not run_dir.exists() and go_on(out, "to start again") == cmd
+    # the warm start: stopped at the next step boundary
+    code, out = sigterm_after(go_on(out, "to start again"), "warm start    3/12", tmp_path / "1.log")
+    stopped = re.search(r"SIGTERM during the warm start: checkpoint of its step (\d+)/12 written", out)
+    assert code == 143 and stopped and 3 <= int(stopped.group(1)) < 12, out[-3000:]
+    for step in range(1, int(stopped.group(1)) + 1):
+        assert re.search(rf"^warm start {step:4d}/12 \| nll \d+\.\d{{4}} \| 8 demonstrations \| elapsed \d+s eta \d+s$", out, re.MULTILINE), out
+    assert go_on(out) == [*cmd, "resume=auto"] and not (run_dir / "warm_start").exists()
+    first = out
+    # its last step: the export and the evaluation at step 0 end, then a checkpoint of step 0
+    code, out = sigterm_after(go_on(out), "warm start   12/12", tmp_path / "2.log")
+    assert f"warm start resumed from {run_dir}/warm_start_progress/checkpoints/step_{int(stopped.group(1)):06d}" in out
+    assert code == 143 and "SIGTERM during the evaluation at step 0: checkpoint of step 0 written" in out, out[-3000:]
+    assert sorted(os.listdir(run_dir)) == ["checkpoints", "config.json", "metrics.jsonl", "warm_start"]  # its progress gone
+    losses = re.findall(r"^warm start +\d+/12 \| nll \S+", first + out, re.MULTILINE)
+    # RL goes on from step 0, with neither the warm start nor the evaluation again
+    proc = procs.run(go_on(out), capture_output=True, text=True, timeout=600, cwd=ROOT, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"resumed from {run_dir}/checkpoints/step_000000 at step 0" in proc.stdout
+    assert "warm start" not in proc.stdout and "step    0 |" not in proc.stdout
+    assert straight.wait(timeout=600) == 0
+    straight_out = straight.stdout.read()
+    assert losses == re.findall(r"^warm start +\d+/12 \| nll \S+", straight_out, re.MULTILINE)
+    timing = re.compile(r"^time/|tokens_per_s$")
+    metrics = [[{k: v for k, v in m.items() if not timing.search(k)} for m in map(json.loads, open(d / "metrics.jsonl"))]
+               for d in (run_dir, straight_dir)]
+    assert [m["step"] for m in metrics[0]] == [0, 1] and metrics[0] == metrics[1]
+    for weights in ["warm_start/model.safetensors", "hf/model.safetensors"]:
+        assert (run_dir / weights).read_bytes() == (straight_dir / weights).read_bytes(), weights
+
+
+def test_data_errors_are_one_line_naming_the_file_and_a_jsonl_row_by_its_line(tmp_path, tiny_model_dir, capsys):
+    """A prompt file that is missing, or a parquet file that does not read, or a JSONL row that cannot be
+    trained on: one line (ConfigError, which train.py prints as it prints a config error: tests/test_train.py,
+    test_a_start_that_fails_leaves_the_run_folder_as_it_was), naming the file, and the bad row by its line
+    (1-based, blank lines counted) when it has no id; a search index that is not there, too; rollout.py --data
+    says the same in one line."""
+    with pytest.raises(ConfigError, match=r"prompt file '.*nosuch.parquet' does not exist \(write it with prepare_data.py\)"):
+        load_prompts(str(tmp_path / "nosuch.parquet"))
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.Table.from_pylist([{"id": "a", "messages": json.dumps([{"role": "user", "content": "q"}])}]), good)
+    corrupt = tmp_path / "corrupt.parquet"
+    corrupt.write_bytes(good.read_bytes()[:len(good.read_bytes()) // 2])  # a copy cut short
+    with pytest.raises(ConfigError, match=r"prompt file '.*corrupt.parquet' is not a parquet file that reads \(.*magic bytes "
+                                          r"not found in footer.*\); write it again with prepare_data.py") as error:
+        load_prompts(str(corrupt))
+    assert len(str(error.value).splitlines()) == 1
+    jsonl = tmp_path / "p.jsonl"
+    row = json.dumps({"id": "a", "messages": [{"role": "user", "content": "q"}]})
+    jsonl.write_text(f"{row}\n\n{{\"id\": \"cut\", \"messa\n")  # line 3, after a blank one
+    with pytest.raises(ConfigError, match=r"p.jsonl: 1 of 2 prompts cannot be trained on \(first: line 3 \(not a JSON object\)\)"):
+        load_prompts(str(jsonl))
+    with pytest.raises(ConfigError, match=rf"^no search index at {tmp_path} \(.*meta.json is missing\); build one with "):
+        tools.make_tools(["search"], str(tmp_path))  # a search task's task.index_dir
+    assert rollout.main(["--model", tiny_model_dir, "--config", "tiny", "--data", str(corrupt)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"rollout.py: prompt file '{corrupt}' is not a parquet file"), err
+
+
+def test_prepare_data_offline_names_source_and_leaves_no_folder(tmp_path):
+    """GSM8K from the hub, offline (and with an empty datasets cache): one line that names --source, and
+    the folder it made is gone (it was left empty)."""
+    out = tmp_path / "gsm8k"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_CACHE": str(tmp_path / "hf")}
+    proc = procs.run([sys.executable, "prepare_data.py", "--task=gsm8k", f"--out={out}"], capture_output=True, text=True,
+                     timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("prepare_data.py: Couldn't reach 'openai/gsm8k' on the Hub") and "pass --source=DIR" in proc.stderr
+    assert not out.exists()
+
+
+def refused_run(run_dir):
+    """A run folder whose checkpoint (of 1 rank) a run on 2 ranks must refuse."""
+    checkpoint = run_dir / "checkpoints" / "step_000001"
+    checkpoint.mkdir(parents=True)
+    save_config(make_config("tiny"), str(checkpoint / "config.json"))
+    (checkpoint / "COMPLETE").write_text('{"step": 1, "world_size": 1}')
+    return f"{checkpoint} was written by 1 ranks and this run has 2"
+
+
+def test_a_run_refused_under_torchrun_is_said_by_rank_0_alone_and_last(tmp_path):
+    """
+    A resume refused on 2 gloo ranks (its checkpoint is of 1 rank): no rank's traceback (the reason was
+    buried under ~60 lines of rank 1's gloo connectFullMesh traceback), and the reason, in one line, ends
+    torchrun's own report of the failure, whichever rank was refused first (rank 0 says it too, unless
+    torchrun stopped it first: every rank is refused alike). The refusal comes before the process group
+    exists: a rank 0 whose other rank never comes is refused at once rather than left waiting for it.
+    """
+    reason = refused_run(tmp_path / "run")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={procs.free_port()}", "train.py",
+           "--config=tiny", "rollout.engine=hf", f"run_dir={tmp_path / 'run'}"]
+    proc = procs.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=ENV)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "[rank" not in out and "connectFullMesh" not in out and len(out.splitlines()) < 50, out
+    line = f"train.py: error: {reason}: the data position and the RNG states are per rank; resume on 1 ranks"
+    assert out.rstrip().splitlines()[-2].startswith("  traceback : " + line), out  # the root cause's, above the last rule
+    assert all(said.startswith((line, "  traceback : " + line)) for said in out.splitlines() if reason in said), out
+    alone = {**ENV, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(procs.free_port())}
+    proc = procs.run([sys.executable, "train.py", "--config=tiny", "rollout.engine=hf", f"run_dir={tmp_path / 'run'}"],
+                     capture_output=True, text=True, timeout=120, cwd=ROOT, env=alone)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[0].startswith(line), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_make_demo_smollm2_goes_on_with_resume_auto():
+    """make demo-smollm2 RESUME=auto keeps the run folder and resumes it; plain make demo-smollm2 starts afresh."""
+    for resume, removes in [("auto", False), (None, True)]:
+        plan = subprocess.run(["make", "-n", "demo-smollm2", *([f"RESUME={resume}"] if resume else [])], cwd=ROOT,
+                              capture_output=True, text=True, check=True).stdout
+        assert f"train.py --config=demo-smollm2 seed=0 run_dir=out/demo-smollm2/run resume={resume or 'never'}\n" in plan
+        guard = plan.splitlines()[0]  # what runs before train.py, with the removal said instead of done
+        said = subprocess.run(["bash", "-c", guard.replace("rm -rf", "echo rm -rf")], capture_output=True, text=True).stdout
+        assert (said == "rm -rf out/demo-smollm2/run\n") == removes, plan
+
+
+@pytest.mark.parametrize("package", ["wandb", "tensorboard"])
+def test_a_logger_whose_package_is_missing_is_refused_in_one_line(package, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, package, None)  # as if not installed: importing it raises ImportError
+    with pytest.raises(SystemExit):
+        train.parse_args(["--config=tiny", f"log.{package}=true"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    # the program's name as argparse gives it (train.py; pytest's own in this process)
+    assert last.split(": ", 1)[1].startswith(f"error: log.{package}=true but the {package} package is not installed: "), last
+    assert ("pip install wandb" if package == "wandb" else "make install installs it") in last
+
+
+def test_tensorboard_event_files_hold_each_step_once_across_a_resume(tmp_path):
+    """log.tensorboard=true: every number of a step's metrics line, under its name, in run_dir/tensorboard;
+    a resume from the checkpoint of step 2 hides what the run before logged after it, as metrics.jsonl drops it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    first = MetricsLog(str(tmp_path), None, {}, tensorboard=True)
+    for step in [0, 1, 2, 3]:
+        first.log({"step": step, "reward": step / 10, "finish/done": 1.0})
+    first.tensorboard.close()
+    resumed = MetricsLog(str(tmp_path), 2, {}, tensorboard=True)
+    resumed.log({"step": 3, "reward": 0.9, "finish/done": 0.5})
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["finish/done", "reward"]
+    assert [(e.step, round(e.value, 6)) for e in events.Scalars("reward")] == [(0, 0.0), (1, 0.1), (2, 0.2), (3, 0.9)]
+    assert [e.value for e in events.Scalars("finish/done")] == [1.0, 1.0, 1.0, 0.5]
+    assert [json.loads(line)["reward"] for line in open(tmp_path / "metrics.jsonl")] == [0.0, 0.1, 0.2, 0.9]

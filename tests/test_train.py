@@ -352,6 +352,8 @@ def test_a_start_that_fails_leaves_the_run_folder_as_it_was(tmp_path):
                      timeout=300,
                      cwd=ROOT,
                      env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode != 0 and "missing.parquet" in proc.stdout + proc.stderr
+    # one line, as a config error is (it was a 25-line traceback on rank 0)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"train.py: error: prompt file '{tmp_path}/missing.parquet' does not exist (write it with prepare_data.py)"], proc.stderr
     assert sorted(os.listdir(tmp_path)) == ["run"] and os.listdir(run_dir) == ["config.json"]
     assert (run_dir / "config.json").read_text() == "{}"

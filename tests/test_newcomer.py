@@ -243,10 +243,12 @@ def sigterm_after(cmd, text, log):
 
 
 def go_on(out, how="to go on"):
-    """The command a stopped run printed, as a list."""
+    """The command a stopped run printed, as a list, its python as an absolute path (it prints make's
+    .venv/bin/python as make names it, relative to the checkout it runs in)."""
     found = re.search(rf"; {how}: (.*)$", out, re.MULTILINE)
     assert found, out[-3000:]
-    return shlex.split(found.group(1))
+    python, *args = shlex.split(found.group(1))
+    return [os.path.join(ROOT, python), *args]
 
 
 @pytest.mark.slow
@@ -279,7 +281,7 @@ def test_a_signal_in_any_phase_stops_at_a_safe_point_and_the_command_it_prints_g
     code, out = sigterm_after(go_on(out), "warm start   12/12", tmp_path / "2.log")
     assert f"warm start resumed from {run_dir}/warm_start_progress/checkpoints/step_{int(stopped.group(1)):06d}" in out
     assert code == 143 and "SIGTERM during the evaluation at step 0: checkpoint of step 0 written" in out, out[-3000:]
-    assert sorted(os.listdir(run_dir)) == ["checkpoints", "config.json", "metrics.jsonl", "warm_start"]  # its progress gone
+    assert sorted(os.listdir(run_dir)) == ["checkpoints", "config.json", "metrics.jsonl", "trajectories.jsonl", "warm_start"]  # its progress gone
     losses = re.findall(r"^warm start +\d+/12 \| nll \S+", first + out, re.MULTILINE)
     # RL goes on from step 0, with neither the warm start nor the evaluation again
     proc = procs.run(go_on(out), capture_output=True, text=True, timeout=600, cwd=ROOT, env=ENV)

@@ -279,7 +279,7 @@ def test_a_signal_in_any_phase_stops_at_a_safe_point_and_the_command_it_prints_g
     code, out = sigterm_after(go_on(out), "warm start   12/12", tmp_path / "2.log")
     assert f"warm start resumed from {run_dir}/warm_start_progress/checkpoints/step_{int(stopped.group(1)):06d}" in out
     assert code == 143 and "SIGTERM during the evaluation at step 0: checkpoint of step 0 written" in out, out[-3000:]
-    assert sorted(os.listdir(run_dir)) == ["checkpoints", "config.json", "metrics.jsonl", "warm_start"]  # its progress gone
+    assert {"checkpoints", "warm_start"} <= set(os.listdir(run_dir)) and not (run_dir / "warm_start_progress").exists()
     losses = re.findall(r"^warm start +\d+/12 \| nll \S+", first + out, re.MULTILINE)
     # RL goes on from step 0, with neither the warm start nor the evaluation again
     proc = procs.run(go_on(out), capture_output=True, text=True, timeout=600, cwd=ROOT, env=ENV)
@@ -346,6 +346,7 @@ def refused_run(run_dir):
     return f"{checkpoint} was written by 1 ranks and this run has 2"
 
 
+@pytest.mark.slow
 def test_a_run_refused_under_torchrun_is_said_by_rank_0_alone_and_last(tmp_path):
     """
     A resume refused on 2 gloo ranks (its checkpoint is of 1 rank): no rank's traceback (the reason was

@@ -96,7 +96,8 @@ def parse_args(argv):
 def command_line(argv, resume=None):
     """This process's command line, as one types it (under torchrun: the launch on one node, with the
     rendezvous flags of the launch itself on several), with resume=<resume> in place of any resume= it had."""
-    args = [a for a in argv if not (resume and a.startswith("resume="))] + ([f"resume={resume}"] if resume else [])
+    args = [a for a in argv if not (resume and a.startswith("resume="))]
+    args += [f"resume={resume}"] if resume else []
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker
         per_node = int(os.environ["LOCAL_WORLD_SIZE"])
         nodes = world_size() // per_node
@@ -294,7 +295,7 @@ def main(argv=None):
     log = MetricsLog(cfg.run_dir, start_step if checkpoint else None, to_dict(cfg), cfg.log.wandb,
                      cfg.log.wandb_project, cfg.log.tensorboard)
     samples = StepLines(os.path.join(cfg.run_dir, "trajectories.jsonl"), start_step if checkpoint else None)
-    evaluated = cfg.eval.every and not checkpoint  # where RL starts from (a checkpoint of step 0 has it logged)
+    evaluated = cfg.eval.every and not checkpoint  # RL's start (a checkpoint of step 0 has it logged)
     if evaluated:
         metrics = {"step": 0, **evaluate(engine, env, task, val_rows, cfg, rank, world)}
         print0("step    0 | " + " | ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k != "step"))
@@ -413,9 +414,9 @@ if __name__ == "__main__":
             print(f"train.py: error: {e}", file=sys.stderr, flush=True)
         if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's failure report ends with it
             line = f"train.py: error: {e}"
+            extra = {"py_callstack": line, "timestamp": str(int(time.time()))}
             with open(error_file, "w") as f:
-                json.dump({"message": {"message": line,
-                                       "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
+                json.dump({"message": {"message": line, "extraInfo": extra}}, f)
         code = 2
     except Stopped as e:  # a SIGTERM or a Ctrl-C, acted on at a safe point: what was saved, and what next
         print0(f"{e}; to go on: {command_line(sys.argv[1:], 'auto')}" if e.resumable else

@@ -137,7 +137,8 @@ class MetricsLog:
     line, by its name) and wandb. TensorBoard is told of a resume too: its purge step hides the events of
     the steps done again in the files the run before wrote."""
 
-    def __init__(self, run_dir, resumed_step, cfg_dict, use_wandb=False, project="nanoagent", tensorboard=False):
+    def __init__(self, run_dir, resumed_step, cfg_dict, use_wandb=False, project="nanoagent",
+                 tensorboard=False):
         self.lines = StepLines(os.path.join(run_dir, "metrics.jsonl"), resumed_step)
         self.wandb = self.tensorboard = None
         if rank() != 0:

@@ -348,6 +348,7 @@ def refused_run(run_dir):
     return f"{checkpoint} was written by 1 ranks and this run has 2"
 
 
+@pytest.mark.slow
 def test_a_run_refused_under_torchrun_is_said_by_rank_0_alone_and_last(tmp_path):
     """
     A resume refused on 2 gloo ranks (its checkpoint is of 1 rank): no rank's traceback (the reason was

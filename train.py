@@ -39,11 +39,8 @@ One step, top to bottom:
 """
 
 import argparse
-import json
 import math
 import os
-import shlex
-import shutil
 import sys
 import time
 from functools import partial
@@ -56,9 +53,8 @@ from nanoagent.agent import Rollouts
 from nanoagent.batch import balance_groups, group_tokens, step_batch
 from nanoagent.checkpoint import (check_resume, export_hf, load_latest, resume_checkpoint, save_checkpoint,
                                   start_fresh)
-from nanoagent.common import (MetricsLog, StepLines, Stopped, all_reduce, exit_now, init_distributed,
-                              logger_problem, print0, seed_everything, signal_received, stop_on_signals,
-                              world_size)
+from nanoagent.common import (MetricsLog, StepLines, Stopped, all_reduce, init_distributed, logger_problem,
+                              print0, run_script, seed_everything, signal_received, stop_on_signals, world_size)
 from nanoagent.config import ConfigError, format_config, make_config, reference, save_config, to_dict
 from nanoagent.data import spare_prompts, step_prompts
 from nanoagent.engine import SamplingConfig, make_engine, pad_token_id
@@ -91,23 +87,6 @@ def parse_args(argv):
     if problem := logger_problem(cfg.log):
         parser.error(problem)
     return cfg
-
-
-def command_line(argv, resume=None):
-    """This process's command line, as one types it (under torchrun: the launch on one node, with the
-    rendezvous flags of the launch itself on several), with resume=<resume> in place of any resume= it had."""
-    args = [a for a in argv if not (resume and a.startswith("resume="))]
-    args += [f"resume={resume}"] if resume else []
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker
-        per_node = int(os.environ["LOCAL_WORLD_SIZE"])
-        nodes = world_size() // per_node
-        launcher = ["torchrun", *([f"--nnodes={nodes}"] if nodes > 1 else []), f"--nproc_per_node={per_node}"]
-    elif shutil.which("python") == sys.executable:
-        launcher = ["python"]
-    else:  # make's .venv/bin/python, or a python that is not the first on PATH
-        inside = sys.executable.startswith(os.getcwd() + os.sep)
-        launcher = [os.path.relpath(sys.executable) if inside else sys.executable]
-    return shlex.join(launcher + [sys.argv[0]] + args)
 
 
 # -----------------------------------------------------------------------------
@@ -251,8 +230,8 @@ def resume_or_warm_start(cfg, task, env, train_rows, models, optimizers, ref, ra
 
 
 def checkpoint_and_stop(signum, when, step, saved_step, save):
-    """The checkpoint of `step` (unless it is saved already), then common.Stopped, which the end of this
-    file says in one line with the command that goes on."""
+    """The checkpoint of `step` (unless it is saved already), then common.Stopped, which run_script says in
+    one line with the command that goes on."""
     if saved_step != step:
         save(step)
     raise Stopped(signum, when, f"checkpoint of step {step} written")
@@ -263,6 +242,7 @@ def main(argv=None):
     # a SIGTERM (a preemption) or a Ctrl-C from here on is acted on at the next safe point, on every rank
     stop = stop_on_signals()
     model_path = resolve_model(cfg.model, "train.py")  # before the process group: see resolve_model
+    seed_everything(cfg.seed)  # + this rank's: before the task's data, which may draw
     # what may refuse the run (a resume, the data) is checked on every rank before the process group
     # exists: each rank is refused alike, rank 0 says why, and none is left waiting for another to connect
     checkpoint = check_run(cfg, world_size())
@@ -271,7 +251,6 @@ def main(argv=None):
 
     # the models, the rollout engine (colocated in this process)
     rank, world, device = init_distributed()
-    seed_everything(cfg.seed + rank)
     warm_dir = os.path.join(cfg.run_dir, "warm_start")  # the warm-started policy: RL's start and KL reference
     models, ref, optimizers = build_models(cfg, model_path, warm_dir if checkpoint else None, device)
     policy, critic, r = models["policy"], models.get("critic"), cfg.rollout
@@ -407,23 +386,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except ConfigError as e:  # a setting found unworkable once the run had started (its data, a resume):
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one line in each node's log
-            print(f"train.py: error: {e}", file=sys.stderr, flush=True)
-        if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's failure report ends with it
-            line = f"train.py: error: {e}"
-            extra = {"py_callstack": line, "timestamp": str(int(time.time()))}
-            with open(error_file, "w") as f:
-                json.dump({"message": {"message": line, "extraInfo": extra}}, f)
-        code = 2
-    except Stopped as e:  # a SIGTERM or a Ctrl-C, acted on at a safe point: what was saved, and what next
-        print0(f"{e}; to go on: {command_line(sys.argv[1:], 'auto')}" if e.resumable else
-               f"{e}; to start again: {command_line(sys.argv[1:])}")
-        code = e.code
-    except KeyboardInterrupt:  # the second Ctrl-C: at once, without a checkpoint
-        print0(f"train.py: interrupted; to go on from the last checkpoint, if there is one: "
-               f"{command_line(sys.argv[1:], 'auto')}")
-        code = 130
-    exit_now(code)
+    run_script(main)

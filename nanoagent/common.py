@@ -5,13 +5,18 @@ import importlib
 import json
 import os
 import random
+import shlex
+import shutil
 import signal
 import socket
 import sys
+import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from nanoagent.keys import ConfigError
 
 
 def rank():
@@ -88,6 +93,8 @@ def reduce_metrics(sums, maxes):
 
 
 def seed_everything(seed):
+    """This rank's Python, NumPy and torch generators, from seed + its rank (known before the process group)."""
+    seed += rank()
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -187,6 +194,52 @@ class Stopped(Exception):
     def __init__(self, signum, when, saved, resumable=True):
         super().__init__(f"{signal.Signals(signum).name} during {when}: {saved}")
         self.code, self.resumable = 128 + signum, resumable
+
+
+def command_line(argv, resume=None):
+    """This process's command line as one types it (under torchrun: the launch on one node, and on several
+    the launch without its rendezvous flags, which a worker cannot know), with resume=<resume> in place of
+    any resume= it had."""
+    args = [a for a in argv if not (resume and a.startswith("resume="))]
+    args += [f"resume={resume}"] if resume else []
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker
+        per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+        nodes = world_size() // per_node
+        launcher = ["torchrun", *([f"--nnodes={nodes}"] if nodes > 1 else []), f"--nproc_per_node={per_node}"]
+    elif shutil.which("python") == sys.executable:
+        launcher = ["python"]
+    else:  # make's .venv/bin/python, or a python that is not the first on PATH
+        inside = sys.executable.startswith(os.getcwd() + os.sep)
+        launcher = [os.path.relpath(sys.executable) if inside else sys.executable]
+    return shlex.join(launcher + [sys.argv[0]] + args)
+
+
+def run_script(main):
+    """Run a script's main() and exit with its code, an early end said in one line: a setting found
+    unworkable once the run had started (ConfigError: its data, a resume; exit 2, and under torchrun the
+    line ends its failure report), a signal acted on at a safe point (Stopped: what was saved and the
+    command that goes on), a second Ctrl-C (at once, without a checkpoint: exit 130)."""
+    name = os.path.basename(sys.argv[0])
+    try:
+        code = main()
+    except ConfigError as e:
+        line = f"{name}: error: {e}"
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one line in each node's log
+            print(line, file=sys.stderr, flush=True)
+        if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):  # what torchrun's report ends with
+            extra = {"py_callstack": line, "timestamp": str(int(time.time()))}
+            with open(error_file, "w") as f:
+                json.dump({"message": {"message": line, "extraInfo": extra}}, f)
+        code = 2
+    except Stopped as e:
+        print0(f"{e}; to go on: {command_line(sys.argv[1:], 'auto')}" if e.resumable else
+               f"{e}; to start again: {command_line(sys.argv[1:])}")
+        code = e.code
+    except KeyboardInterrupt:
+        print0(f"{name}: interrupted; to go on from the last checkpoint, if there is one: "
+               f"{command_line(sys.argv[1:], 'auto')}")
+        code = 130
+    exit_now(code)
 
 
 def signal_received(stop):

@@ -226,8 +226,15 @@ def test_build_index_default_encoder_works_offline_and_search_loads_it(tmp_path,
 # issue 59: stops, data errors, torchrun, loggers
 
 # the tiny model on arithmetic: a warm start of 12 steps, the evaluation at step 0, one GRPO step
-STOPPABLE = ["--config=tiny", "train.warm_start_steps=12", "train.warm_start_batch_size=8", "rollout.engine=hf", "steps=1",
-             "eval.every=1", "task.num_val=8", "rollout.prompts_per_step=4", "rollout.max_turns=2", "ppo.mini_batch_size=8"]
+STOPPABLE = [
+    "--config=tiny",
+    "train.warm_start_steps=12", "train.warm_start_batch_size=8",
+    "rollout.engine=hf",
+    "steps=1",
+    "eval.every=1", "task.num_val=8",
+    "rollout.prompts_per_step=4", "rollout.max_turns=2",
+    "ppo.mini_batch_size=8",
+]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
@@ -263,25 +270,38 @@ def test_a_signal_in_any_phase_stops_at_a_safe_point_and_the_command_it_prints_g
     """
     run_dir, straight_dir = tmp_path / "run", tmp_path / "straight"
     cmd = [sys.executable, "train.py", *STOPPABLE, f"run_dir={run_dir}"]
-    straight = procs.start([sys.executable, "train.py", *STOPPABLE, f"run_dir={straight_dir}"], stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=ENV)
+    straight = procs.start([sys.executable, "train.py", *STOPPABLE, f"run_dir={straight_dir}"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=ENV)
     # the build: the config is printed before it starts
     code, out = sigterm_after(cmd, "run_dir = ", tmp_path / "0.log")
-    assert code == 143 and "SIGTERM during the start: nothing to save (the run folder is as it was)" in out, out[-3000:]
+    assert (
+        code == 143 and "SIGTERM during the start: nothing to save (the run folder is as it was)" in out
+    ), out[-3000:]
     assert not run_dir.exists() and go_on(out, "to start again") == cmd
     # the warm start: stopped at the next step boundary
     code, out = sigterm_after(go_on(out, "to start again"), "warm start    3/12", tmp_path / "1.log")
     stopped = re.search(r"SIGTERM during the warm start: checkpoint of its step (\d+)/12 written", out)
     assert code == 143 and stopped and 3 <= int(stopped.group(1)) < 12, out[-3000:]
     for step in range(1, int(stopped.group(1)) + 1):
-        assert re.search(rf"^warm start {step:4d}/12 \| nll \d+\.\d{{4}} \| 8 demonstrations \| elapsed \d+s eta \d+s$", out, re.MULTILINE), out
+        assert re.search(
+            rf"^warm start {step:4d}/12 \| nll \d+\.\d{{4}} \| 8 demonstrations \| elapsed \d+s eta \d+s$",
+            out,
+            re.MULTILINE,
+        ), out
     assert go_on(out) == [*cmd, "resume=auto"] and not (run_dir / "warm_start").exists()
     first = out
     # its last step: the export and the evaluation at step 0 end, then a checkpoint of step 0
     code, out = sigterm_after(go_on(out), "warm start   12/12", tmp_path / "2.log")
-    assert f"warm start resumed from {run_dir}/warm_start_progress/checkpoints/step_{int(stopped.group(1)):06d}" in out
-    assert code == 143 and "SIGTERM during the evaluation at step 0: checkpoint of step 0 written" in out, out[-3000:]
-    assert sorted(os.listdir(run_dir)) == ["checkpoints", "config.json", "metrics.jsonl", "trajectories.jsonl", "warm_start"]  # its progress gone
+    assert (
+        f"warm start resumed from {run_dir}/warm_start_progress/checkpoints/"
+        f"step_{int(stopped.group(1)):06d}" in out
+    )
+    assert (
+        code == 143 and "SIGTERM during the evaluation at step 0: checkpoint of step 0 written" in out
+    ), out[-3000:]
+    assert sorted(os.listdir(run_dir)) == [
+        "checkpoints", "config.json", "metrics.jsonl", "trajectories.jsonl", "warm_start"
+    ]  # its progress gone
     losses = re.findall(r"^warm start +\d+/12 \| nll \S+", first + out, re.MULTILINE)
     # RL goes on from step 0, with neither the warm start nor the evaluation again
     proc = procs.run(go_on(out), capture_output=True, text=True, timeout=600, cwd=ROOT, env=ENV)
@@ -292,50 +312,81 @@ def test_a_signal_in_any_phase_stops_at_a_safe_point_and_the_command_it_prints_g
     straight_out = straight.stdout.read()
     assert losses == re.findall(r"^warm start +\d+/12 \| nll \S+", straight_out, re.MULTILINE)
     timing = re.compile(r"^time/|tokens_per_s$")
-    metrics = [[{k: v for k, v in m.items() if not timing.search(k)} for m in map(json.loads, open(d / "metrics.jsonl"))]
-               for d in (run_dir, straight_dir)]
+    metrics = [
+        [
+            {k: v for k, v in m.items() if not timing.search(k)}
+            for m in map(json.loads, open(d / "metrics.jsonl"))
+        ]
+        for d in (run_dir, straight_dir)
+    ]
     assert [m["step"] for m in metrics[0]] == [0, 1] and metrics[0] == metrics[1]
     for weights in ["warm_start/model.safetensors", "hf/model.safetensors"]:
         assert (run_dir / weights).read_bytes() == (straight_dir / weights).read_bytes(), weights
 
 
-def test_data_errors_are_one_line_naming_the_file_and_a_jsonl_row_by_its_line(tmp_path, tiny_model_dir, capsys):
+def test_data_errors_are_one_line_naming_the_file_and_a_jsonl_row_by_its_line(
+    tmp_path, tiny_model_dir, capsys
+):
     """A prompt file that is missing, or a parquet file that does not read, or a JSONL row that cannot be
-    trained on: one line (ConfigError, which train.py prints as it prints a config error: tests/test_train.py,
-    test_a_start_that_fails_leaves_the_run_folder_as_it_was), naming the file, and the bad row by its line
-    (1-based, blank lines counted) when it has no id; a search index that is not there, too; rollout.py --data
-    says the same in one line."""
-    with pytest.raises(ConfigError, match=r"prompt file '.*nosuch.parquet' does not exist \(write it with prepare_data.py\)"):
+    trained on: one line (ConfigError, which train.py prints as it prints a config error:
+    tests/test_train.py, test_a_start_that_fails_leaves_the_run_folder_as_it_was), naming the file, and the
+    bad row by its line (1-based, blank lines counted) when it has no id; a search index that is not there,
+    too; rollout.py --data says the same in one line."""
+    with pytest.raises(
+        ConfigError, match=r"prompt file '.*nosuch.parquet' does not exist \(write it with prepare_data.py\)"
+    ):
         load_prompts(str(tmp_path / "nosuch.parquet"))
     good = tmp_path / "good.parquet"
-    pq.write_table(pa.Table.from_pylist([{"id": "a", "messages": json.dumps([{"role": "user", "content": "q"}])}]), good)
+    pq.write_table(
+        pa.Table.from_pylist([{"id": "a", "messages": json.dumps([{"role": "user", "content": "q"}])}]),
+        good,
+    )
     corrupt = tmp_path / "corrupt.parquet"
     corrupt.write_bytes(good.read_bytes()[:len(good.read_bytes()) // 2])  # a copy cut short
-    with pytest.raises(ConfigError, match=r"prompt file '.*corrupt.parquet' is not a parquet file that reads \(.*magic bytes "
-                                          r"not found in footer.*\); write it again with prepare_data.py") as error:
+    with pytest.raises(
+        ConfigError,
+        match=r"prompt file '.*corrupt.parquet' is not a parquet file that reads \(.*magic bytes "
+        r"not found in footer.*\); write it again with prepare_data.py",
+    ) as error:
         load_prompts(str(corrupt))
     assert len(str(error.value).splitlines()) == 1
     jsonl = tmp_path / "p.jsonl"
     row = json.dumps({"id": "a", "messages": [{"role": "user", "content": "q"}]})
     jsonl.write_text(f"{row}\n\n{{\"id\": \"cut\", \"messa\n")  # line 3, after a blank one
-    with pytest.raises(ConfigError, match=r"p.jsonl: 1 of 2 prompts cannot be trained on \(first: line 3 \(not a JSON object\)\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"p.jsonl: 1 of 2 prompts cannot be trained on \(first: line 3 \(not a JSON object\)\)",
+    ):
         load_prompts(str(jsonl))
-    with pytest.raises(ConfigError, match=rf"^no search index at {tmp_path} \(.*meta.json is missing\); build one with "):
+    with pytest.raises(
+        ConfigError, match=rf"^no search index at {tmp_path} \(.*meta.json is missing\); build one with "
+    ):
         tools.make_tools(["search"], str(tmp_path))  # a search task's task.index_dir
     assert rollout.main(["--model", tiny_model_dir, "--config", "tiny", "--data", str(corrupt)]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith(f"rollout.py: prompt file '{corrupt}' is not a parquet file"), err
+    assert (
+        len(err.splitlines()) == 1
+        and err.startswith(f"rollout.py: prompt file '{corrupt}' is not a parquet file")
+    ), err
 
 
 def test_prepare_data_offline_names_source_and_leaves_no_folder(tmp_path):
     """GSM8K from the hub, offline (and with an empty datasets cache): one line that names --source, and
     the folder it made is gone (it was left empty)."""
     out = tmp_path / "gsm8k"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_CACHE": str(tmp_path / "hf")}
-    proc = procs.run([sys.executable, "prepare_data.py", "--task=gsm8k", f"--out={out}"], capture_output=True, text=True,
-                     timeout=300, cwd=ROOT, env=env)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_DATASETS_CACHE": str(tmp_path / "hf"),
+    }
+    proc = procs.run([sys.executable, "prepare_data.py", "--task=gsm8k", f"--out={out}"],
+                     capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert proc.stderr.startswith("prepare_data.py: Couldn't reach 'openai/gsm8k' on the Hub") and "pass --source=DIR" in proc.stderr
+    assert (
+        proc.stderr.startswith("prepare_data.py: Couldn't reach 'openai/gsm8k' on the Hub")
+        and "pass --source=DIR" in proc.stderr
+    )
     assert not out.exists()
 
 
@@ -358,29 +409,51 @@ def test_a_run_refused_under_torchrun_is_said_by_rank_0_alone_and_last(tmp_path)
     exists: a rank 0 whose other rank never comes is refused at once rather than left waiting for it.
     """
     reason = refused_run(tmp_path / "run")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={procs.free_port()}", "train.py",
-           "--config=tiny", "rollout.engine=hf", f"run_dir={tmp_path / 'run'}"]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nproc_per_node=2", f"--master_port={procs.free_port()}",
+        "train.py", "--config=tiny", "rollout.engine=hf", f"run_dir={tmp_path / 'run'}",
+    ]
     proc = procs.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=ENV)
     out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "[rank" not in out and "connectFullMesh" not in out and len(out.splitlines()) < 50, out
+    assert (
+        proc.returncode != 0
+        and "[rank" not in out
+        and "connectFullMesh" not in out
+        and len(out.splitlines()) < 50
+    ), out
     line = f"train.py: error: {reason}: the data position and the RNG states are per rank; resume on 1 ranks"
-    assert out.rstrip().splitlines()[-2].startswith("  traceback : " + line), out  # the root cause's, above the last rule
-    assert all(said.startswith((line, "  traceback : " + line)) for said in out.splitlines() if reason in said), out
-    alone = {**ENV, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(procs.free_port())}
-    proc = procs.run([sys.executable, "train.py", "--config=tiny", "rollout.engine=hf", f"run_dir={tmp_path / 'run'}"],
-                     capture_output=True, text=True, timeout=120, cwd=ROOT, env=alone)
+    # the root cause's, above the last rule
+    assert out.rstrip().splitlines()[-2].startswith("  traceback : " + line), out
+    assert all(
+        said.startswith((line, "  traceback : " + line)) for said in out.splitlines() if reason in said
+    ), out
+    alone = {**ENV, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(procs.free_port())}
+    proc = procs.run(
+        [sys.executable, "train.py", "--config=tiny", "rollout.engine=hf", f"run_dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, env=alone,
+    )
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[0].startswith(line), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 def test_make_demo_smollm2_goes_on_with_resume_auto():
-    """make demo-smollm2 RESUME=auto keeps the run folder and resumes it; plain make demo-smollm2 starts afresh."""
+    """make demo-smollm2 RESUME=auto keeps the run folder and resumes it;
+    plain make demo-smollm2 starts afresh."""
     for resume, removes in [("auto", False), (None, True)]:
-        plan = subprocess.run(["make", "-n", "demo-smollm2", *([f"RESUME={resume}"] if resume else [])], cwd=ROOT,
-                              capture_output=True, text=True, check=True).stdout
-        assert f"train.py --config=demo-smollm2 seed=0 run_dir=out/demo-smollm2/run resume={resume or 'never'}\n" in plan
-        guard = plan.splitlines()[0]  # what runs before train.py, with the removal said instead of done
-        said = subprocess.run(["bash", "-c", guard.replace("rm -rf", "echo rm -rf")], capture_output=True, text=True).stdout
+        # --no-print-directory: under make test (an outer make) make -n would begin with "Entering directory"
+        plan = subprocess.run(["make", "-n", "--no-print-directory", "demo-smollm2",
+                               *([f"RESUME={resume}"] if resume else [])],
+                              cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        assert (
+            f"train.py --config=demo-smollm2 seed=0 run_dir=out/demo-smollm2/run resume={resume or 'never'}\n"
+            in plan
+        )
+        # what runs before train.py, with the removal said instead of done
+        guard = plan.splitlines()[0]
+        said = subprocess.run(["bash", "-c", guard.replace("rm -rf", "echo rm -rf")],
+                              capture_output=True, text=True).stdout
         assert (said == "rm -rf out/demo-smollm2/run\n") == removes, plan
 
 
@@ -391,13 +464,16 @@ def test_a_logger_whose_package_is_missing_is_refused_in_one_line(package, monke
         train.parse_args(["--config=tiny", f"log.{package}=true"])
     last = capsys.readouterr().err.strip().splitlines()[-1]
     # the program's name as argparse gives it (train.py; pytest's own in this process)
-    assert last.split(": ", 1)[1].startswith(f"error: log.{package}=true but the {package} package is not installed: "), last
+    assert last.split(": ", 1)[1].startswith(
+        f"error: log.{package}=true but the {package} package is not installed: "
+    ), last
     assert ("pip install wandb" if package == "wandb" else "make install installs it") in last
 
 
 def test_tensorboard_event_files_hold_each_step_once_across_a_resume(tmp_path):
     """log.tensorboard=true: every number of a step's metrics line, under its name, in run_dir/tensorboard;
-    a resume from the checkpoint of step 2 hides what the run before logged after it, as metrics.jsonl drops it."""
+    a resume from the checkpoint of step 2 hides what the run before logged after it, as metrics.jsonl
+    drops it."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     first = MetricsLog(str(tmp_path), None, {}, tensorboard=True)
     for step in [0, 1, 2, 3]:
@@ -408,6 +484,8 @@ def test_tensorboard_event_files_hold_each_step_once_across_a_resume(tmp_path):
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert sorted(events.Tags()["scalars"]) == ["finish/done", "reward"]
-    assert [(e.step, round(e.value, 6)) for e in events.Scalars("reward")] == [(0, 0.0), (1, 0.1), (2, 0.2), (3, 0.9)]
+    assert [(e.step, round(e.value, 6)) for e in events.Scalars("reward")] == [
+        (0, 0.0), (1, 0.1), (2, 0.2), (3, 0.9)
+    ]
     assert [e.value for e in events.Scalars("finish/done")] == [1.0, 1.0, 1.0, 0.5]
     assert [json.loads(line)["reward"] for line in open(tmp_path / "metrics.jsonl")] == [0.0, 0.1, 0.2, 0.9]

@@ -10,7 +10,8 @@ DEMO   := out/demo
 TWDEMO := out/demo-textworld
 SMDEMO := out/demo-smollm2
 SEED   := 0
-# make demo-smollm2 RESUME=auto: go on with the run a SIGTERM or a Ctrl-C stopped, instead of starting it afresh
+# make demo-smollm2 RESUME=auto: go on with the run a SIGTERM or a Ctrl-C stopped, instead of starting
+# it afresh
 RESUME := never
 
 .PHONY: install test test-fast test-gpu demo demo-textworld demo-smollm2 speedrun clean
@@ -27,7 +28,9 @@ ifeq ($(VARIANT),cpu)
 	# `import transformers.models.qwen2` fails (operator torchvision::nms does not exist).
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
 endif
-	$(PY) -c "import torch, transformers, vllm, faiss, textworld, tensorboard; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__, '| $(VARIANT)')"
+	$(PY) -c "import torch, transformers, vllm, faiss, textworld, tensorboard; \
+		print('installed: torch', torch.__version__, '| transformers', transformers.__version__, \
+		      '| vllm', vllm.__version__, '| $(VARIANT)')"
 
 # Two workers (pytest-xdist), each with its share of the cores, the longest tests first (tests/conftest.py)
 test:
@@ -64,8 +67,9 @@ demo-textworld:
 		data.train_path=$(TWDEMO)/data/train.parquet data.val_path=$(TWDEMO)/data/val.parquet
 	$(PY) report.py --run=$(TWDEMO)/run
 
-# The real SmolLM2-135M-Instruct (model=smollm2-135m, converted on first use into the nanoagent cache) on make demo's world:
-# prompts and index made on the spot -> warm start -> GRPO -> greedy evaluation -> report.md (RESUME=auto: go on)
+# The real SmolLM2-135M-Instruct (model=smollm2-135m, converted on first use into the nanoagent cache)
+# on make demo's world: prompts and index made on the spot -> warm start -> GRPO -> greedy evaluation
+# -> report.md (RESUME=auto: go on)
 demo-smollm2:
 	[ "$(RESUME)" = auto ] || rm -rf $(SMDEMO)/run
 	$(PY) train.py --config=demo-smollm2 seed=$(SEED) run_dir=$(SMDEMO)/run resume=$(RESUME)

@@ -180,8 +180,8 @@ def validate(cfg):
          "over")
     need(r.max_staleness == 0 or cfg.train.tis,
          f"rollout.max_staleness={r.max_staleness} needs train.tis=true: tokens sampled by an older policy "
-         "are weighed by min(pi_old / pi_behaviour, train.tis_cap) (decoupled PPO, docs/formulation.md: Partial "
-         "rollouts); without it their loss would treat them as the current policy's samples")
+         "are weighed by min(pi_old / pi_behaviour, train.tis_cap) (decoupled PPO, docs/formulation.md: "
+         "Partial rollouts); without it their loss would treat them as the current policy's samples")
     need((r.prompts_per_step * r.group_size) % cfg.ppo.mini_batch_size == 0,
          f"rollout.prompts_per_step x rollout.group_size ({r.prompts_per_step * r.group_size}) "
          f"must be a multiple of ppo.mini_batch_size ({cfg.ppo.mini_batch_size})")

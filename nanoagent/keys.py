@@ -89,7 +89,8 @@ class RolloutConfig:
         0, "partial rollouts: a step's rollout ends once rollout.prompts_per_step groups have ended; the "
         "others pause and go on in the next step under the new weights, no token trained more than this many "
         "steps after its policy sampled it (a group that would be waits for its end); 0: every step waits "
-        "for its last trajectory. Needs rollout.extra_prompts and train.tis (docs/formulation.md: Partial rollouts)",
+        "for its last trajectory. Needs rollout.extra_prompts and train.tis (docs/formulation.md: "
+        "Partial rollouts)",
         low=0)
     extra_prompts: int = opt(
         0, "max_staleness > 0: groups in flight beyond rollout.prompts_per_step (over all ranks), drawn from "
@@ -110,8 +111,8 @@ class RolloutConfig:
     tool_format: Literal["auto", "template", "hermes"] = opt(
         "auto", "how tools and their results are shown: template: by the chat template (tools=, tool "
         "messages); hermes: nanoagent's fallback for templates without tools (Qwen2.5's Hermes block in the "
-        "system turn, results as <tool_response> in a user turn; docs/recipes.md: Models and chat templates); auto: template "
-        "where it renders tools=, else hermes")
+        "system turn, results as <tool_response> in a user turn; docs/recipes.md: Models and chat "
+        "templates); auto: template where it renders tools=, else hermes")
 
 
 @dataclass

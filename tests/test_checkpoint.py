@@ -376,7 +376,9 @@ def test_only_checkpoints_with_their_marker_count_and_keep_last_prunes(tmp_path,
     assert latest_checkpoint(str(run_dir)) == str(run_dir / "checkpoints" / "step_000005")
 
 
-def test_an_optimizer_that_has_not_stepped_is_saved_and_resumed_as_it_is(tmp_path, tiny_model_dir, world_of_one):
+def test_an_optimizer_that_has_not_stepped_is_saved_and_resumed_as_it_is(
+    tmp_path, tiny_model_dir, world_of_one
+):
     """A checkpoint of step 0 (a signal after the warm start, before RL's first update) holds an AdamW that
     has not stepped: it stays so in the run that saves it and in the one that resumes, whose first update
     is then the one the run would have made. (DCP's state dict gives such an optimizer a first step of
@@ -385,7 +387,11 @@ def test_an_optimizer_that_has_not_stepped_is_saved_and_resumed_as_it_is(tmp_pat
     save_checkpoint(str(tmp_path / "run"), 0, {"policy": model}, {"policy": optimizer}, {}, CONFIG)
     assert not optimizer.state
     resumed, resumed_optimizer = build(tiny_model_dir)
-    load_checkpoint(latest_checkpoint(str(tmp_path / "run")), {"policy": resumed}, {"policy": resumed_optimizer})
+    load_checkpoint(
+        latest_checkpoint(str(tmp_path / "run")),
+        {"policy": resumed},
+        {"policy": resumed_optimizer},
+    )
     assert not resumed_optimizer.state
     for m, o in [(model, optimizer), (resumed, resumed_optimizer)]:
         advance(m, o, 1)

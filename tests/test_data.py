@@ -280,7 +280,8 @@ def test_empty_prompt_files_are_refused_with_their_path(tmp_path):
 
 def test_prepare_refuses_an_empty_split(hotpot_dir, tmp_path):
     (hotpot_dir / "hotpot_dev_distractor_v1.json").write_text("[]")
-    (tmp_path / "out").mkdir()  # a folder that was there stays (one prepare_data.py made goes: test_newcomer.py)
+    # a folder that was there stays (one prepare_data.py made goes: test_newcomer.py)
+    (tmp_path / "out").mkdir()
     with pytest.raises(SystemExit, match="the val split has no prompts; nothing written to"):
         prepare_data.main(["--task=hotpotqa", f"--source={hotpot_dir}", f"--out={tmp_path / 'out'}"])
     assert os.listdir(tmp_path / "out") == []  # no train file either: a split is checked before anything is written
@@ -302,5 +303,7 @@ def test_balanced_steps_hold_each_type_in_equal_numbers_and_the_plain_order_is_u
     assert step_prompts(rows, 3, 4, 0, 1, 7, True, "type") == step_prompts(rows, 3, 4, 0, 1, 7, True, "type")
     plain = [p["id"] for p in step_prompts(rows, 0, 30, 0, 1, 7, True)]
     assert plain == np.random.default_rng([7, 0]).permutation(30).tolist()
-    with pytest.raises(ConfigError, match="data.balance_by=kind: 30 of 30 training prompts have no 'kind' field"):
+    with pytest.raises(
+        ConfigError, match="data.balance_by=kind: 30 of 30 training prompts have no 'kind' field"
+    ):
         step_prompts(rows, 0, 4, 0, 1, 7, True, "kind")

@@ -52,7 +52,8 @@ def test_make_demo_learns_to_search_and_writes_the_report(tmp_path):
         assert f"![{png}]({png})" in report
         assert (run / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (run / "hf" / "config.json").exists()
-    # the trajectory viewer of the first, middle and last step, beside the report (tests/test_viewer.py opens one)
+    # the trajectory viewer of the first, middle and last step, beside the report
+    # (tests/test_viewer.py opens one)
     assert "[trajectories.html](trajectories.html)" in report and "of steps 1, 6, 10 (of 10)" in report
     assert (run / "trajectories.html").read_text().startswith("<!doctype html>")
 

@@ -150,7 +150,10 @@ def test_a_cpu_engine_allocates_the_kv_cache_its_sequences_can_fill(tiny_model_d
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("TORCH_COMPILE_DISABLE") == "1", reason="torch.compile is off in this process (docs/recipes.md: Installing and testing)")
+@pytest.mark.skipif(
+    os.environ.get("TORCH_COMPILE_DISABLE") == "1",
+    reason="torch.compile is off in this process (docs/recipes.md: Installing and testing)",
+)
 def test_a_compiled_vllm_engine_generates_with_the_weights_it_is_given(tiny_model_dir, tok):
     """rollout.compile (the default; on a GPU with CUDA graphs) runs vLLM's torch.compile of the model:
     here, the same compiled path on the CPU. Its greedy tokens and logprobs are the trainer's, before

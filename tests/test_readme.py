@@ -31,8 +31,10 @@ def test_the_config_reference_matches_the_declarations_and_every_preset_is_named
     section = read("docs/config.md")
     block = re.search(r"```\n(.*?)\n```", section, re.DOTALL)
     assert block, "docs/config.md: the config reference code block is missing"
-    assert block.group(1) == reference(), ("docs/config.md's config reference is out of date; regenerate it with "
-                                           "python -c 'from nanoagent.config import reference; print(reference())'")
+    assert block.group(1) == reference(), (
+        "docs/config.md's config reference is out of date; regenerate it with "
+        "python -c 'from nanoagent.config import reference; print(reference())'"
+    )
     text = read("README.md") + "".join(docs().values())
     for name in PRESETS:
         assert f"--config={name}" in text, f"no command of README.md or docs/ uses --config={name}"
@@ -42,7 +44,9 @@ def test_every_test_the_reliability_table_names_exists():
     named = re.findall(r"`(test_\w+\.py)::(\w+)`", read("docs/reliability.md"))
     assert len(named) >= 20
     for file, test in named:
-        assert f"def {test}(" in read(os.path.join("tests", file)), f"docs/reliability.md names {file}::{test}, which does not exist"
+        assert f"def {test}(" in read(os.path.join("tests", file)), (
+            f"docs/reliability.md names {file}::{test}, which does not exist"
+        )
 
 
 def test_the_file_structure_lists_every_module_and_the_scripts_leave_the_tiny_kit_out():
@@ -50,7 +54,9 @@ def test_the_file_structure_lists_every_module_and_the_scripts_leave_the_tiny_ki
     modules = glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "nanoagent", "*.py"))
     for path in sorted(modules):
         name = os.path.relpath(path, ROOT)
-        assert name == "nanoagent/__init__.py" or f"    {name} " in layout, f"README.md's file structure lacks {name}"
+        assert name == "nanoagent/__init__.py" or f"    {name} " in layout, (
+            f"README.md's file structure lacks {name}"
+        )
     code = ("import sys, train, rollout, chat; "
             "print(sorted(m for m in sys.modules if m.startswith('nanoagent.tiny')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
@@ -82,5 +88,6 @@ def test_every_link_between_the_readme_and_docs_resolves():
 def test_no_figure_the_readme_quoted_was_lost_in_the_move_to_docs():
     before = json.loads(read("tests/readme_figures.json"))["figures"]
     now = collections.Counter(FIGURE.findall("".join(docs().values())))
-    lost = {figure: f"{count} before, {now[figure]} now" for figure, count in before.items() if now[figure] < count}
+    lost = {figure: f"{count} before, {now[figure]} now"
+            for figure, count in before.items() if now[figure] < count}
     assert not lost, f"docs/ no longer quotes these figures as often as the README did: {lost}"

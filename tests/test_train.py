@@ -132,9 +132,11 @@ def test_resume_gives_the_same_next_step(tmp_path):
     assert f"moved aside to {aside}" in fresh_out and "resumed from" not in fresh_out
     assert os.listdir(tmp_path / "a" / "checkpoints") == ["step_000001"] and [m["step"] for m in fresh] == [1]
     assert sorted(os.listdir(aside / "checkpoints")) == ["step_000002", "step_000003"]
-    # the viewer's trajectories (log.trajectories_per_step: 2 groups of 4 a step) hold each step once across the
-    # resume, and its step 3 is the straight run's; fp32: the trainer's logprobs are the engine's on every action token
-    kept = {run: [json.loads(line) for line in open(run / "trajectories.jsonl")] for run in (aside, tmp_path / "b")}
+    # the viewer's trajectories (log.trajectories_per_step: 2 groups of 4 a step) hold each step once
+    # across the resume, and its step 3 is the straight run's; fp32: the trainer's logprobs are the
+    # engine's on every action token
+    kept = {run: [json.loads(line) for line in open(run / "trajectories.jsonl")]
+            for run in (aside, tmp_path / "b")}
     for run, records in kept.items():
         assert [r["step"] for r in records] == [1] * 8 + [2] * 8 + [3] * 8, run
         assert all(abs(d) <= 1e-4 for r in records for turn in r["logprob_diff"] for d in turn), run
@@ -304,15 +306,15 @@ def test_a_run_that_trains_nothing_says_so_and_stops(tmp_path):
 
 def test_an_agent_trains_with_partial_rollouts_and_refill_within_the_staleness_bound_on_two_ranks(tmp_path):
     """
-    docs/extending.md's agent written with the openai package (nanoagent/tasks/openai_agent.py), trained unchanged
-    through each rank's endpoint and warm-started through it, with rollout.max_staleness=1, extra groups in
-    flight and grpo.refill, on 2 ranks, where half the prompts' groups are uniform (a scripted reward:
-    tests/half_uniform_agent_task.py). The agents' calls pause and go on under the next step's weights; the
-    engine's logprobs are the trainer's on every token of this step's policy (the rows are what was
-    sampled); no trained token is more than one step old; every step trains on rollout.prompts_per_step
+    docs/extending.md's agent written with the openai package (nanoagent/tasks/openai_agent.py), trained
+    unchanged through each rank's endpoint and warm-started through it, with rollout.max_staleness=1, extra
+    groups in flight and grpo.refill, on 2 ranks, where half the prompts' groups are uniform (a scripted
+    reward: tests/half_uniform_agent_task.py). The agents' calls pause and go on under the next step's
+    weights; the engine's logprobs are the trainer's on every token of this step's policy (the rows are what
+    was sampled); no trained token is more than one step old; every step trains on rollout.prompts_per_step
     groups or its line says the spare prompts ran out. Resumed, it goes on without the groups paused at the
-    checkpoint (docs/formulation.md: Partial rollouts) and exports. (Carrying over, deterministically: test_env.py,
-    test_flow.py; partial rollouts of a tool task on 2 ranks: test_learning.py.)
+    checkpoint (docs/formulation.md: Partial rollouts) and exports. (Carrying over, deterministically:
+    test_env.py, test_flow.py; partial rollouts of a tool task on 2 ranks: test_learning.py.)
     """
     overrides = ["algo=grpo", "rollout.max_staleness=1", "rollout.extra_prompts=4", "train.tis=true",
                  "grpo.refill=true", "grpo.max_refill=2",
@@ -354,6 +356,8 @@ def test_a_start_that_fails_leaves_the_run_folder_as_it_was(tmp_path):
                      env={**os.environ, "OMP_NUM_THREADS": "1"})
     # one line, as a config error is (it was a 25-line traceback on rank 0)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        f"train.py: error: prompt file '{tmp_path}/missing.parquet' does not exist (write it with prepare_data.py)"], proc.stderr
+        f"train.py: error: prompt file '{tmp_path}/missing.parquet' does not exist "
+        "(write it with prepare_data.py)"
+    ], proc.stderr
     assert sorted(os.listdir(tmp_path)) == ["run"] and os.listdir(run_dir) == ["config.json"]
     assert (run_dir / "config.json").read_text() == "{}"

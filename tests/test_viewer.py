@@ -53,7 +53,8 @@ def run(tmp_path_factory, tiny_model_dir, process_group):
     """A run folder as train.py leaves it after one step: config.json, metrics.jsonl and the step's three
     groups in trajectories.jsonl. The first prompt carries a "</script>" (what a tool result could hold)."""
     folder = tmp_path_factory.mktemp("viewer") / "run"
-    cfg = make_config("tiny", ["grpo.drop_uniform_groups=false"])  # the sampled group trains, its diff compared
+    # the sampled group trains, its diff compared
+    cfg = make_config("tiny", ["grpo.drop_uniform_groups=false"])
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     env = tool_env([calculator_tool()], tok)
     rows = arithmetic.make_prompts(3, 0, "train")
@@ -67,7 +68,9 @@ def run(tmp_path_factory, tiny_model_dir, process_group):
     for t in trajs:
         arithmetic.score(t, cfg)
     data = step_batch(trajs, pad_token_id(tok), cfg)
-    policy = build_policy(training_config(tiny_model_dir), read_weights(tiny_model_dir), CPU, torch.float32, False)
+    policy = build_policy(
+        training_config(tiny_model_dir), read_weights(tiny_model_dir), CPU, torch.float32, False
+    )
     data.batch["old_logprobs"], data.batch["nucleus_logprobs"], _ = train.logprobs_before_update(
         policy, None, data, False, cfg, CPU)
     data.batch["advantages"] = train.critic_free_advantages(data, data.rewards, cfg)
@@ -88,7 +91,11 @@ def test_a_step_keeps_its_groups_token_by_token(run):
     first = kept[0]
     assert first["reward"] == 1.0 and first["turns"] == 2 and first["tool_calls"][0]["name"] == "calculator"
     for r in kept:
-        assert [len(a) for a in r["advantages"]] == [len(t) for t in r["turn_tokens"]] == [e - s for s, e in r["turn_spans"]]
+        assert (
+            [len(a) for a in r["advantages"]]
+            == [len(t) for t in r["turn_tokens"]]
+            == [e - s for s, e in r["turn_spans"]]
+        )
         assert "prompt_ids" not in r and "rollout_logprobs" not in r
     # GRPO: (1 - 0.25) / std of [1, 0, 0, 0] on every action token of the right answer, the others below 0
     assert all(a == pytest.approx(1.5, abs=1e-4) for turn in first["advantages"] for a in turn)
@@ -98,8 +105,8 @@ def test_a_step_keeps_its_groups_token_by_token(run):
 
 
 def test_token_texts_join_into_the_text_of_the_ids(tiny_model_dir):
-    """The tiny byte-level BPE splits "ï", "😀" and "世" into bytes: each token's text joins into the decoded
-    text, a character the last of its tokens."""
+    """The tiny byte-level BPE splits "ï", "😀" and "世" into bytes: each token's text joins into the
+    decoded text, a character the last of its tokens."""
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     ids = tok.encode("naïve 😀 世界 <tool_call>x</tool_call><|im_end|>", add_special_tokens=False)
     texts = token_texts(tok, ids)
@@ -153,7 +160,8 @@ def test_the_viewer_opens_offline_in_a_browser_and_shows_what_the_agent_did(run,
     assert "http://" not in page.read_text() and "https://" not in page.read_text()  # nothing to fetch
     driver = browser(tmp_path)
     if driver is None:
-        pytest.skip("no Chromium here (Debian's chromium and chromium-driver, and selenium): the viewer's browser test needs it")
+        pytest.skip("no Chromium here (Debian's chromium and chromium-driver, and selenium): "
+                    "the viewer's browser test needs it")
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
     try:
@@ -162,7 +170,8 @@ def test_the_viewer_opens_offline_in_a_browser_and_shows_what_the_agent_did(run,
         listed = lambda: driver.find_elements(By.CSS_SELECTOR, "#list tbody tr")  # noqa: E731
         assert len(listed()) == len(kept) == 12
         assert driver.find_element(By.ID, "count").text == "12 of 12 trajectories"
-        # filters: a reward of at least 0.5 (the two right answers), then a finish reason (the sampled group's)
+        # filters: a reward of at least 0.5 (the two right answers), then a finish reason
+        # (the sampled group's)
         driver.find_element(By.ID, "reward-min").send_keys("0.5")
         assert len(listed()) == sum(r["reward"] >= 0.5 for r in kept) == 2
         driver.find_element(By.ID, "reward-min").clear()

@@ -1,8 +1,8 @@
 """
 An agent written with the openai package, trained unchanged through nanoagent's OpenAI-compatible
-endpoint (nanoagent/endpoint.py): docs/extending.md's example of training an agent you already have. It answers
-the arithmetic task's questions with a calculator it runs itself; the prompts, the demonstrations for a
-warm start and the held-out split are the arithmetic task's.
+endpoint (nanoagent/endpoint.py): docs/extending.md's example of training an agent you already
+have. It answers the arithmetic task's questions with a calculator it runs itself; the prompts, the
+demonstrations for a warm start and the held-out split are the arithmetic task's.
 
     python train.py --config=tiny data.task=openai_agent train.warm_start_steps=40
 """

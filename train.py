@@ -54,7 +54,8 @@ from nanoagent.batch import balance_groups, group_tokens, step_batch
 from nanoagent.checkpoint import (check_resume, export_hf, load_latest, resume_checkpoint, save_checkpoint,
                                   start_fresh)
 from nanoagent.common import (MetricsLog, StepLines, Stopped, all_reduce, init_distributed, logger_problem,
-                              print0, run_script, seed_everything, signal_received, stop_on_signals, world_size)
+                              print0, run_script, seed_everything, signal_received, stop_on_signals,
+                              world_size)
 from nanoagent.config import ConfigError, format_config, make_config, reference, save_config, to_dict
 from nanoagent.data import spare_prompts, step_prompts
 from nanoagent.engine import SamplingConfig, make_engine, pad_token_id

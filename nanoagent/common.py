@@ -93,7 +93,8 @@ def reduce_metrics(sums, maxes):
 
 
 def seed_everything(seed):
-    """This rank's Python, NumPy and torch generators, from seed + its rank (known before the process group)."""
+    """This rank's Python, NumPy and torch generators, from seed + its rank (known before the process
+    group exists)."""
     seed += rank()
     random.seed(seed)
     np.random.seed(seed)

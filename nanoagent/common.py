@@ -1,5 +1,6 @@
 """Process-level plumbing shared by the entry scripts: distributed set-up, rank-aware printing,
-seeding, the metrics log, timing. It stands on the ground floor: it imports no nanoagent module."""
+seeding, the metrics log, timing. It stands one step above the ground floor: of nanoagent it imports
+only keys.py (for ConfigError, the one-line error a run ends with), which imports no nanoagent module."""
 
 import importlib
 import json

@@ -357,7 +357,7 @@ def main(argv=None):
         stopping = signal_received(stop)
         metrics = step_metrics(step, data.trajs, data.dropped, batch, policy_updates, critic_updates, kl,
                                counts, [t0, t1, t2, t3, t4])
-        metrics["lr"] = get_lr(step, cfg.train.lr, cfg.train.warmup_steps)
+        metrics["lr"] = get_lr(step, cfg.train.lr, cfg)
         metrics["trained"] = trained / (r.prompts_per_step * r.group_size)  # a fraction
         if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.steps) and not stopping:
             metrics.update(evaluate(engine, env, task, val_rows, cfg, rank, world))

@@ -160,6 +160,8 @@ class TrainConfig:
     lr: float = opt(1e-6, "policy learning rate", low=0)
     weight_decay: float = opt(0.01, "AdamW weight decay", low=0)
     warmup_steps: int = opt(0, "linear learning-rate warm-up over the first N training steps", low=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = opt(
+        "constant", "after the warm-up: constant, or down towards 0 at the last step in a line or a cosine")
     grad_clip: float = opt(1.0, "max gradient norm", above=0)
     micro_batch_tokens: int = opt(16384, "token budget of one forward/backward micro-batch per rank", low=1)
     balance_ranks: bool = opt(

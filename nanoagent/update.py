@@ -23,9 +23,16 @@ def loss_units(batch, cfg):
     return batch["trajectory"][:, None].expand_as(batch["action_mask"])
 
 
-def get_lr(step, base_lr, warmup_steps):
-    """The learning rate at a training step: a linear warm-up over the first warmup_steps, then constant."""
-    return base_lr * min(1.0, (step + 1) / max(1, warmup_steps))
+def get_lr(step, base_lr, cfg):
+    """The learning rate at a training step (0-based): a linear warm-up over the first
+    cfg.train.warmup_steps, then constant (lr_schedule=constant) or down towards 0 at step cfg.steps,
+    in a line or along half a cosine (TRL's linear default, verl's cosine): the last step's is
+    base_lr / (steps - warm-up) in a line."""
+    warmup, schedule = cfg.train.warmup_steps, cfg.train.lr_schedule
+    if step < warmup or schedule == "constant":
+        return base_lr * min(1.0, (step + 1) / max(1, warmup))
+    left = 1 - (step - warmup) / max(1, cfg.steps - warmup)  # 1 at the first step after the warm-up
+    return base_lr * (left if schedule == "linear" else 0.5 * (1 - math.cos(math.pi * left)))
 
 
 def set_hyperparameters(optimizers, step, cfg):
@@ -34,7 +41,7 @@ def set_hyperparameters(optimizers, step, cfg):
     for name, optimizer in optimizers.items():
         base_lr = cfg.train.lr if name == "policy" else cfg.ppo.critic_lr
         for group in optimizer.param_groups:
-            group["lr"] = get_lr(step, base_lr, cfg.train.warmup_steps)
+            group["lr"] = get_lr(step, base_lr, cfg)
             group["weight_decay"] = cfg.train.weight_decay
 
 

@@ -2,6 +2,7 @@
 
 import ast
 import json
+import math
 import os
 import re
 import sys
@@ -14,6 +15,7 @@ from nanoagent.config import (Config, ConfigError, all_keys, from_dict, make_con
                               to_dict)
 from nanoagent.keys import fixed_keys
 from nanoagent.presets import PRESETS
+from nanoagent.update import get_lr
 
 
 def test_defaults_presets_and_overrides():
@@ -191,3 +193,19 @@ def test_a_task_declares_its_own_keys_in_its_file(tmp_path):
     path.write_text("@dataclass\nclass Knobs:\n    depth: int = opt(default_depth(), 'how deep')\n")
     with pytest.raises(ConfigError, match="its Knobs may use only opt, Literal, dataclass and the builtins"):
         make_config("tiny", [f"data.task={path}"])
+
+
+def test_learning_rate_schedules_warm_up_then_hold_or_come_down_towards_zero():
+    """train.lr_schedule after train.warmup_steps: constant holds the rate; linear comes down by equal
+    steps to base / (steps - warm-up) at the last step (TRL's linear schedule); cosine follows half a
+    cosine from the rate towards 0, the same at the ends, above the line before the middle."""
+    def rates(schedule):
+        cfg = make_config("tiny", ["steps=6", "train.warmup_steps=2", f"train.lr_schedule={schedule}"])
+        return [get_lr(step, 1.0, cfg) for step in range(cfg.steps)]
+    assert rates("constant") == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert rates("linear") == pytest.approx([0.5, 1.0, 1.0, 0.75, 0.5, 0.25])
+    cosine = rates("cosine")
+    assert cosine[:3] == pytest.approx([0.5, 1.0, 1.0]) and cosine[4] == pytest.approx(0.5)
+    assert cosine[3] == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
+    assert cosine[5] == pytest.approx(0.5 * (1 - math.cos(math.pi / 4)))
+    assert make_config("tiny").train.lr_schedule == "constant"  # today's behaviour, the default

@@ -17,28 +17,15 @@ from nanoagent.retriever import iter_corpus
 from nanoagent.tools import format_passages, parse_tool_calls
 
 
-def pretraining_loss(model, batch, pad_token_id, forward_tokens=4096):
+def pretraining_loss(model, batch, pad_token_id):
     """
     Mean next-token loss over the learned tokens of batch, a list of (token ids, loss mask) rows.
-    The rows are read by length, a few at a time (at most forward_tokens padded tokens a forward):
-    less padding and work that stays in cache, ~2x faster on the demos' conversations (300-600
-    tokens) than one padded forward over all 32, the same loss. Within a forward, the prefix every
-    row shares and learns nothing from (a conversation's system turn and tool list, about two thirds
-    of its tokens) is read once, as a batch of one, its keys and values repeated for every row; logits
-    are computed only where the next token is learned.
+    Every conversation of a batch begins with the same system turn and tool list (about two thirds
+    of its tokens, none of them learned): that shared prefix is read once, as a batch of one, and
+    its keys and values are repeated for every row; logits are computed only where the next token
+    is learned. The same loss and gradient as one padded forward over the rows, from a third of the
+    tokens.
     """
-    batch = sorted(batch, key=lambda row: len(row[0]))
-    forwards = [[]]
-    for row in batch:
-        if forwards[-1] and len(row[0]) * (len(forwards[-1]) + 1) > forward_tokens:
-            forwards.append([])
-        forwards[-1].append(row)
-    learned_tokens = sum(sum(mask[1:]) for _, mask in batch)
-    return sum(summed_token_loss(model, rows, pad_token_id) for rows in forwards) / learned_tokens
-
-
-def summed_token_loss(model, batch, pad_token_id):
-    """The next-token loss summed over the learned tokens of batch's rows, in one forward."""
     # prefix tokens all rows share and whose logits nothing learns from (a mask of 1 at t is learned
     # from t-1)
     shared = 0
@@ -57,7 +44,7 @@ def summed_token_loss(model, batch, pad_token_id):
                          past_key_values=cache).last_hidden_state
     learned = loss_mask[:, 1:].bool()  # [B, L - shared - 1]
     logits = model.lm_head(hidden[:, :-1][learned])  # [N, V]
-    return torch.nn.functional.cross_entropy(logits.float(), input_ids[:, 1:][learned], reduction="sum")
+    return torch.nn.functional.cross_entropy(logits.float(), input_ids[:, 1:][learned])
 
 
 def pretrain(model_dir, rows, steps, batch_size=32, lr=3e-3, seed=0, warmdown=0.3):

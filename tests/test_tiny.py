@@ -283,7 +283,7 @@ def test_pretraining_reads_a_shared_prefix_once_and_learns_what_a_padded_forward
     """pretraining_loss reads the system turn and tool list that every conversation of a batch begins with
     once, and computes logits only where a token is learned: loss and gradient must be those of one padded
     forward over the whole rows, for conversations (a long shared prefix), passages (a prefix whose
-    tokens are learned) and a batch of one, read in one forward or by length a few rows a forward."""
+    tokens are learned) and a batch of one."""
     world = make_world(seed=3, people=40, companies=10, cities=12, countries=4)
     (tmp_path / "dialogues.jsonl").write_text("".join(json.dumps(d) + "\n" for d in scrambled_dialogues(world, copies=1, per_copy=6)))
     (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(p) + "\n" for p in passages(world)[:6]))
@@ -304,14 +304,10 @@ def test_pretraining_reads_a_shared_prefix_once_and_learns_what_a_padded_forward
     shared = len(os.path.commonprefix([ids for ids, _ in conversations]))
     assert shared > 100 and not any(any(mask[:shared + 1]) for _, mask in conversations)  # the premise: a long unlearned prefix
     for batch in (conversations, pretraining_rows(str(tmp_path / "corpus.jsonl"), tiny_tok), conversations[:1]):
-        longest = max(len(ids) for ids, _ in batch)
-        for forward_tokens in (10**9, 2 * longest):  # all rows at once; two rows a forward
-            def ours(b):
-                return pretraining_loss(model, b, tiny_tok.pad_token_id, forward_tokens)
-            loss, grad = loss_and_grad(ours, batch)
-            want_loss, want_grad = loss_and_grad(padded, batch)
-            assert loss == pytest.approx(want_loss, rel=1e-5)
-            torch.testing.assert_close(grad, want_grad, rtol=1e-4, atol=1e-6)
+        loss, grad = loss_and_grad(lambda b: pretraining_loss(model, b, tiny_tok.pad_token_id), batch)
+        want_loss, want_grad = loss_and_grad(padded, batch)
+        assert loss == pytest.approx(want_loss, rel=1e-5)
+        torch.testing.assert_close(grad, want_grad, rtol=1e-4, atol=1e-6)
 
 
 class TitleLookup:

@@ -118,12 +118,14 @@ def test_train_cli_prints_saves_and_refuses(tmp_path):
 
 def test_config_and_common_import_nothing_above_them():
     """keys.py and presets.py are the ground floor (they import no nanoagent module), common.py stands on
-    keys.py alone (ConfigError) and config.py on the three at most (a task's task.* keys are read from its file, not imported):
-    every script and module reads them, so an import from them reaches up into the whole kit
-    (common -> tiny was an import circle, config -> tasks pulled the tasks into every config check).
-    Every import in the file counts, one inside a function too."""
+    keys.py alone (ConfigError) and config.py on the three at most (a task's task.* keys are read from
+    its file, not imported): every script and module reads them, so an import from them reaches up
+    into the whole kit (common -> tiny was an import circle, config -> tasks pulled the tasks into
+    every config check). Every import in the file counts, one inside a function too."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    floor = [("nanoagent/common.py", {"nanoagent.keys"}), ("nanoagent/keys.py", set()), ("nanoagent/presets.py", set()),
+    floor = [("nanoagent/common.py", {"nanoagent.keys"}),
+             ("nanoagent/keys.py", set()),
+             ("nanoagent/presets.py", set()),
              ("nanoagent/config.py", {"nanoagent.common", "nanoagent.keys", "nanoagent.presets"})]
     for path, allowed in floor:
         imported = set()

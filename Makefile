@@ -61,7 +61,7 @@ demo-textworld:
 	$(PY) prepare_data.py --task=textworld --out=$(TWDEMO)/data --train-size=64 --val-size=32
 	$(PY) -m nanoagent.tiny --out=$(TWDEMO)/model --text=$(TWDEMO)/data/train.parquet --text=$(TWDEMO)/data/transcripts.jsonl \
 		--kv_heads=2 --pretrain $(TWDEMO)/data/exits.jsonl 400 --pretrain $(TWDEMO)/data/walkthroughs.jsonl 600 \
-		--pretrain $(TWDEMO)/data/transcripts.jsonl 300 --seed=$(SEED)
+		--pretrain $(TWDEMO)/data/transcripts.jsonl 150 --seed=$(SEED)
 	rm -rf $(TWDEMO)/run
 	$(PY) train.py --config=demo-textworld seed=$(SEED) model=$(TWDEMO)/model run_dir=$(TWDEMO)/run \
 		data.train_path=$(TWDEMO)/data/train.parquet data.val_path=$(TWDEMO)/data/val.parquet

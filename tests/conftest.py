@@ -1,8 +1,10 @@
-"""Shared fixtures: the tiny model, with its own tokenizer and with Qwen2.5's (each built once per session,
-no downloads), the real SmolLM2-135M-Instruct (converted once from a package), offline settings, the end of every process a test started (tests/procs.py), and the
-check that no test touches the repository's out/ and data/ (a user's runs and data)."""
+"""Shared fixtures: the tiny model, with its own tokenizer and with Qwen2.5's (each built once for the whole suite,
+no downloads), the real SmolLM2-135M-Instruct (converted once from a package), offline settings, the end of every
+process a test started (tests/procs.py), and the check that no test touches the repository's out/ and data/ (a
+user's runs and data)."""
 
 import os
+import shutil
 
 # Set before anything imports vLLM or the hub client: in-process engine (needed to reach the
 # model for weight reloads), a small CPU KV cache, and no network.
@@ -18,6 +20,7 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
 
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from filelock import FileLock  # noqa: E402
 
 import procs  # noqa: E402
 from nanoagent.smollm2 import ensure_smollm2  # noqa: E402
@@ -87,14 +90,36 @@ def end_started_processes(repository_untouched):
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    return build_tiny_model(str(tmp_path_factory.mktemp("tiny_model")))
+def build_once(tmp_path_factory, worker_id):
+    """
+    build_once(name, build) -> the folder `name`, which build(folder) fills once for the whole suite: make
+    test's workers share it (their temporary folders' parent; a file lock around the build), so what takes
+    a worker a minute to make the same way every time (the memorised scripted model: ~50 s on 2 AVX2
+    cores, in three modules' setups on two workers before) is made by the first test that needs it and
+    read by every other. A build that failed leaves no folder marked built: the next one starts afresh.
+    """
+    root = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
+
+    def once(name, build):
+        path = root / name
+        with FileLock(f"{path}.lock"):
+            if not (path / ".built").exists():
+                shutil.rmtree(path, ignore_errors=True)
+                build(str(path))
+                (path / ".built").touch()
+        return str(path)
+    return once
 
 
 @pytest.fixture(scope="session")
-def qwen_model_dir(tmp_path_factory):
+def tiny_model_dir(build_once):
+    return build_once("tiny_model", build_tiny_model)
+
+
+@pytest.fixture(scope="session")
+def qwen_model_dir(build_once):
     """The tiny model under Qwen2.5's real tokenizer and 151,936-row embedding."""
-    return build_tiny_model(str(tmp_path_factory.mktemp("qwen_model")), vocab="qwen")
+    return build_once("qwen_model", lambda path: build_tiny_model(path, vocab="qwen"))
 
 
 @pytest.fixture(scope="session")

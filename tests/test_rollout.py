@@ -49,10 +49,12 @@ def env(tiny_model_dir, tools):
 
 
 @pytest.fixture(scope="module")
-def scripted_dir(tiny_model_dir, env, tmp_path_factory):
-    path, loss = scripted.memorise(tiny_model_dir, str(tmp_path_factory.mktemp("scripted")), env, steps=150)
-    assert loss < 0.05, f"the tiny model did not memorise the scripts (loss {loss:.3f})"
-    return path
+def scripted_dir(tiny_model_dir, env, build_once):
+    """The tiny model after memorising the scripts (test_flow.py's too): made once for the whole suite."""
+    def memorise(path):
+        _, loss = scripted.memorise(tiny_model_dir, path, env, steps=150)
+        assert loss < 0.05, f"the tiny model did not memorise the scripts (loss {loss:.3f})"
+    return build_once("scripted", memorise)
 
 
 @pytest.fixture(scope="module")

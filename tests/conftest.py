@@ -1,7 +1,7 @@
-"""Shared fixtures: the tiny model, with its own tokenizer and with Qwen2.5's (each built once for the whole suite,
-no downloads), the real SmolLM2-135M-Instruct (converted once from a package), offline settings, the end of every
-process a test started (tests/procs.py), and the check that no test touches the repository's out/ and data/ (a
-user's runs and data)."""
+"""Shared fixtures: the tiny model, with its own tokenizer and with Qwen2.5's (each built once for the
+whole suite, no downloads), the real SmolLM2-135M-Instruct (converted once from a package), offline
+settings, the end of every process a test started (tests/procs.py), and the check that no test touches
+the repository's out/ and data/ (a user's runs and data)."""
 
 import os
 import shutil
@@ -95,8 +95,8 @@ def build_once(tmp_path_factory, worker_id):
     build_once(name, build) -> the folder `name`, which build(folder) fills once for the whole suite: make
     test's workers share it (their temporary folders' parent; a file lock around the build), so what takes
     a worker a minute to make the same way every time (the memorised scripted model: ~50 s on 2 AVX2
-    cores, in three modules' setups on two workers before) is made by the first test that needs it and
-    read by every other. A build that failed leaves no folder marked built: the next one starts afresh.
+    cores, made three times before: by test_rollout.py on each worker and by test_flow.py) is made by
+    the first test that needs it and read by every other. A build that failed leaves no folder marked built: the next one starts afresh.
     """
     root = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
 

@@ -47,7 +47,6 @@ Training speed (prints figures; asserts nothing).
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -65,12 +64,8 @@ def train_steps(nproc, overrides, threads):
     """The metrics of each step of train.py on the tiny preset under torchrun, after the first (engine
     warm-up)."""
     run_dir = tempfile.mkdtemp()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={port}", os.path.join(ROOT, "train.py"), "--config=tiny", f"run_dir={run_dir}",
-           *overrides]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.join(ROOT, "train.py"), "--config=tiny", f"run_dir={run_dir}", *overrides]
     subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT, timeout=1800,
                    env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))

@@ -130,10 +130,16 @@ def smollm2_model_dir():
     return ensure_smollm2()
 
 
+def world_of_one():
+    """A process group of this process alone (gloo), its store on a port the store binds itself (a port
+    picked free beforehand can be taken by another process before it is bound)."""
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", 0, 1, is_master=True), rank=0, world_size=1)
+
+
 @pytest.fixture(scope="module")
 def process_group():
     """A world of one (gloo) in this process: FSDP2, the loaders and the micro-batches kept in step
     across ranks need a process group."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{procs.free_port()}", rank=0, world_size=1)
+    world_of_one()
     yield
     dist.destroy_process_group()

@@ -124,8 +124,17 @@ if __name__ == "__main__":  # the sentinel of the pytest whose id is argv[1]
     sweep(lambda tags: any(tag.startswith(sys.argv[1] + ".") for tag in tags))
 
 
+def torchrun(nproc):
+    """The command that starts nproc ranks of a script under torchrun on this machine. --standalone: the
+    rendezvous store binds a port of the kernel's choosing itself and the ranks join that store. A port
+    picked free beforehand (--master_port) is free only until it is closed again: on a busy machine
+    another process's connection was given it before torchrun bound it (EADDRINUSE, seen in CI)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
 def free_port():
-    """A free TCP port on loopback, for the rendezvous of a torchrun a test starts."""
+    """A free TCP port on loopback, for a rendezvous that processes started apart must all be told of
+    (two torchrun agents as two nodes): free until closed, so only where nothing else will do."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

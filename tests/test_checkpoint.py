@@ -201,8 +201,7 @@ def test_export_is_in_the_training_dtype_and_checked_tensor_by_tensor(tmp_path, 
 
 def start_train(run_dir, *overrides):
     """train.py under torchrun in the background, output in run_dir.log."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={procs.free_port()}",
-           os.path.join(ROOT, "train.py"), *QUICK, f"run_dir={run_dir}", *overrides]
+    cmd = [*procs.torchrun(1), os.path.join(ROOT, "train.py"), *QUICK, f"run_dir={run_dir}", *overrides]
     with open(f"{run_dir}.log", "w") as log:
         return procs.start(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -352,8 +351,7 @@ def test_trainer_resumes_past_an_unreadable_checkpoint_and_says_so_once(tmp_path
 
 @pytest.mark.slow
 def test_ranks_fall_back_together(tmp_path, tiny_model_dir):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={procs.free_port()}",
-           os.path.join(ROOT, "tests", "load_fallback.py"), str(tmp_path / "run"), tiny_model_dir]
+    cmd = [*procs.torchrun(2), os.path.join(ROOT, "tests", "load_fallback.py"), str(tmp_path / "run"), tiny_model_dir]
     proc = procs.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     # the ranks share the pipe and may write into each other's lines, so each report is matched whole, not by line

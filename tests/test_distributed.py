@@ -22,8 +22,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def torchrun_grad(model_dir, nproc, micro_tokens, out, keep=None, on_policy=False):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={procs.free_port()}",
-           os.path.join(HERE, "dist_grad.py"), "--model", model_dir, "--micro-tokens", str(micro_tokens), "--out", str(out),
+    cmd = [*procs.torchrun(nproc), os.path.join(HERE, "dist_grad.py"), "--model", model_dir,
+           "--micro-tokens", str(micro_tokens), "--out", str(out),
            *(["--keep", *map(str, keep)] if keep is not None else []), *(["--on-policy"] if on_policy else [])]
     env = {**os.environ, "PYTHONPATH": HERE + os.pathsep + os.path.dirname(HERE), "OMP_NUM_THREADS": "1"}
     proc = procs.run(cmd, capture_output=True, text=True, timeout=300, env=env)
@@ -93,8 +93,7 @@ def test_whitening_and_loss_units_are_the_whole_batchs_on_every_rank(tmp_path):
     denominators count the whole mini-batch's tokens and units: on 2 ranks, each with half the rows,
     the same numbers as one process over all of them (a rank's own statistics would give others)."""
     out = tmp_path / "whiten"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={procs.free_port()}",
-           os.path.join(HERE, "dist_whiten.py"), str(out)]
+    cmd = [*procs.torchrun(2), os.path.join(HERE, "dist_whiten.py"), str(out)]
     env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE), "OMP_NUM_THREADS": "1"}
     proc = procs.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -134,7 +133,7 @@ def test_whole_groups_move_between_ranks_until_their_tokens_are_about_even(tmp_p
     order, without its environment; the groups that stay keep theirs."""
     script = tmp_path / "balance.py"
     script.write_text(BALANCE_SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={procs.free_port()}", str(script),
+    cmd = [*procs.torchrun(2), str(script),
            json.dumps([[900, 500, 100], [100, 100, 0]]), str(tmp_path / "trajs")]
     proc = procs.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.path.dirname(HERE), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -41,7 +41,7 @@ def qwen_shaped_dir(tmp_path_factory):
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
 def test_one_step_fsdp2_nccl_bf16(algo, qwen_shaped_dir, tmp_path):
     nproc = torch.cuda.device_count()
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={procs.free_port()}", "train.py",
+    cmd = [*procs.torchrun(nproc), "train.py",
            "--config=tiny", f"model={qwen_shaped_dir}", f"algo={algo}", "steps=1", f"run_dir={tmp_path / 'run'}",
            "rollout.engine=hf", "rollout.dtype=bfloat16", "train.dtype=bfloat16", "train.activation_checkpointing=true",
            "train.warm_start_steps=2", f"rollout.prompts_per_step={8 * nproc}", f"ppo.mini_batch_size={16 * nproc}",

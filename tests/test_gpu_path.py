@@ -233,7 +233,7 @@ def test_long_prompts_stop_every_rank_when_the_data_is_loaded(tiny_model_dir, tm
     lengths = env.prompt_lengths([r["messages"] for r in rows])
     assert min(lengths) < max(lengths)  # the two phrasings
     over = [r["id"] for r, n in zip(rows, lengths) if n > min(lengths)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={procs.free_port()}", "train.py", "--config=tiny",
+    cmd = [*procs.torchrun(2), "train.py", "--config=tiny",
            f"model={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", f"data.max_prompt_tokens={min(lengths)}"]
     proc = procs.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0

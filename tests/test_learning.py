@@ -55,10 +55,7 @@ RANKS = {"grpo-partial-refill-2-ranks": 2}  # torchrun's processes, for the runs
 
 def train(run_dir, *overrides, ranks=1):
     """The metrics of a train.py run on one thread a rank (its output in run_dir.log), once it exited 0."""
-    launch = [sys.executable]
-    if ranks > 1:
-        launch += ["-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-                   f"--master_port={procs.free_port()}"]
+    launch = procs.torchrun(ranks) if ranks > 1 else [sys.executable]
     cmd = [*launch, "train.py", "--config=tiny", f"run_dir={run_dir}", "resume=never", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(f"{run_dir}.log", "w") as log:

@@ -58,7 +58,7 @@ IMBALANCE = {2: 1.0, 1: 2.0, 0: 0.0}  # trained trajectories -> the busiest rank
 def test_engine_logprob_diff_only_where_a_rank_compared(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={procs.free_port()}", str(script),
+    cmd = [*procs.torchrun(2), str(script),
            json.dumps([trained for trained, _ in CASES])]
     proc = procs.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                      env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})

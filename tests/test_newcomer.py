@@ -410,8 +410,7 @@ def test_a_run_refused_under_torchrun_is_said_by_rank_0_alone_and_last(tmp_path)
     """
     reason = refused_run(tmp_path / "run")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc_per_node=2", f"--master_port={procs.free_port()}",
+        *procs.torchrun(2),
         "train.py", "--config=tiny", "rollout.engine=hf", f"run_dir={tmp_path / 'run'}",
     ]
     proc = procs.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=ENV)

@@ -30,8 +30,7 @@ QUICK = ["--config=tiny", "train.warm_start_steps=30", "train.tool_call_reward=0
 
 
 def train(run_dir, *overrides, nproc=2, env_cache=None, script="train.py"):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={procs.free_port()}",
-           os.path.join(ROOT, script), *QUICK, f"run_dir={run_dir}", *overrides]
+    cmd = [*procs.torchrun(nproc), os.path.join(ROOT, script), *QUICK, f"run_dir={run_dir}", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NANOAGENT_CACHE": env_cache or os.environ.get("NANOAGENT_CACHE", "")}
     proc = procs.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env={k: v for k, v in env.items() if v})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -210,8 +209,7 @@ def test_sigterm_checkpoints_at_the_next_safe_point_and_exits_143(tmp_path):
     """
     run_dir = tmp_path / "run"
     overrides = ["algo=ppo", "rollout.engine=hf", "steps=4", "train.warm_start_steps=0", f"run_dir={run_dir}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={procs.free_port()}",
-           os.path.join(ROOT, "train.py"), *QUICK, *overrides]
+    cmd = [*procs.torchrun(2), os.path.join(ROOT, "train.py"), *QUICK, *overrides]
     with open(tmp_path / "log", "w") as log:
         torchrun = procs.start(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     while "step    1/4" not in open(tmp_path / "log").read():

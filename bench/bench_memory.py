@@ -161,8 +161,8 @@ def measure_loading():
               f"bf16 checkpoint {n_params * 2 / 2**30:.1f} GiB), 2 ranks under torchrun (gloo): "
               f"peak host memory per rank")
         for variant in ("from_pretrained", "nanoagent"):
-            out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                  __file__, "--loading-run", variant, path],
+            out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                  "--nproc_per_node=2", __file__, "--loading-run", variant, path],
                                  capture_output=True, text=True, check=True,
                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
             peaks = sorted((json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")),

@@ -96,7 +96,8 @@ def build_once(tmp_path_factory, worker_id):
     test's workers share it (their temporary folders' parent; a file lock around the build), so what takes
     a worker a minute to make the same way every time (the memorised scripted model: ~50 s on 2 AVX2
     cores, made three times before: by test_rollout.py on each worker and by test_flow.py) is made by
-    the first test that needs it and read by every other. A build that failed leaves no folder marked built: the next one starts afresh.
+    the first test that needs it and read by every other. A build that failed leaves no folder marked
+    built: the next one starts afresh.
     """
     root = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
 
@@ -133,7 +134,8 @@ def smollm2_model_dir():
 def world_of_one():
     """A process group of this process alone (gloo), its store on a port the store binds itself (a port
     picked free beforehand can be taken by another process before it is bound)."""
-    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", 0, 1, is_master=True), rank=0, world_size=1)
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 
 
 @pytest.fixture(scope="module")

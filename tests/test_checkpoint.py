@@ -351,7 +351,8 @@ def test_trainer_resumes_past_an_unreadable_checkpoint_and_says_so_once(tmp_path
 
 @pytest.mark.slow
 def test_ranks_fall_back_together(tmp_path, tiny_model_dir):
-    cmd = [*procs.torchrun(2), os.path.join(ROOT, "tests", "load_fallback.py"), str(tmp_path / "run"), tiny_model_dir]
+    cmd = [*procs.torchrun(2), os.path.join(ROOT, "tests", "load_fallback.py"),
+           str(tmp_path / "run"), tiny_model_dir]
     proc = procs.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     # the ranks share the pipe and may write into each other's lines, so each report is matched whole, not by line

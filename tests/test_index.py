@@ -189,7 +189,8 @@ def test_missing_index_is_named(tmp_path):
 @pytest.mark.slow
 def test_torchrun_two_ranks_build_the_same_index(world, tmp_path, encoder):
     out = tmp_path / "index"
-    proc = procs.run([*procs.torchrun(2), os.path.join(ROOT, "build_index.py"), f"--corpus={world['corpus_path']}", f"--out={out}",
+    proc = procs.run([*procs.torchrun(2), os.path.join(ROOT, "build_index.py"),
+                      f"--corpus={world['corpus_path']}", f"--out={out}",
                       f"--encoder={packaged_minilm_path()}", "--shard-size=64"],
                      capture_output=True, text=True, cwd=ROOT, timeout=600,
                      env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})

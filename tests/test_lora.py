@@ -198,8 +198,8 @@ def test_merged_weights_in_the_engine_give_the_trainers_logprobs(process_group, 
         del engine
         from vllm.distributed import cleanup_dist_env_and_memory
         cleanup_dist_env_and_memory()  # ends the world of one the engine joined: a new one for the module's other tests
-        torch.distributed.init_process_group("gloo", store=torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True),
-                                             rank=0, world_size=1)
+        store = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True)  # binds its own port
+        torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
     start, diffs, moved = 0, [], []
     for p, g in zip(prompts, gens):
         at = slice(start + len(p), start + len(p) + len(g.token_ids))

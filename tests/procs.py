@@ -133,8 +133,8 @@ def torchrun(nproc):
 
 
 def free_port():
-    """A free TCP port on loopback, for a rendezvous that processes started apart must all be told of
-    (two torchrun agents as two nodes): free until closed, so only where nothing else will do."""
+    """A free TCP port on loopback, free until closed (another process may be given it after): only for an
+    address nothing listens on (a rank refused before its process group exists)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

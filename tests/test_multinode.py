@@ -22,6 +22,7 @@ import sys
 import time
 
 import pytest
+from torch.distributed import TCPStore
 
 import procs
 from test_train import QUICK, ROOT
@@ -34,15 +35,19 @@ def two_nodes(tmp_path, name, *overrides, own_run_dir=False, timeout=900):
     """train.py under two torchrun agents, node 0 and node 1, each with its own model cache; returns
     their exit codes and outputs. One agent that fails ends the other (which would wait at the
     rendezvous). own_run_dir: each node runs in a folder of its own with run_dir=run, as the same
-    path on each node's own disk would be."""
-    endpoint = f"127.0.0.1:{procs.free_port()}"
+    path on each node's own disk would be. The rendezvous store is the test's, on a port it binds itself
+    (port 0): both agents join it as clients (is_host=false), where on real nodes node 0's agent hosts it at
+    a port the nodes are told; a port picked free here and bound later by node 0 could be taken between the
+    two (EADDRINUSE, the race CI met in the one-node tests)."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
     agents, logs = [], [tmp_path / f"{name}.node{node}.log" for node in range(2)]
     try:
         for node, log in enumerate(logs):
             cwd = tmp_path / f"node{node}" if own_run_dir else ROOT
             os.makedirs(cwd, exist_ok=True)
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
-                   "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", f"--rdzv_id={name}", os.path.join(ROOT, "train.py"), *QUICK,
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                   f"--node_rank={node}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{store.port}",
+                   "--rdzv_conf=is_host=false", f"--rdzv_id={name}", os.path.join(ROOT, "train.py"), *QUICK,
                    f"run_dir={'run' if own_run_dir else tmp_path / 'run'}", *overrides]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "NANOAGENT_CACHE": str(tmp_path / f"cache{node}")}
             with open(log, "w") as f:

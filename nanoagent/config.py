@@ -54,7 +54,9 @@ def _parse_value(key, text, typ):
 
 def set_key(cfg, key, text):
     """Apply one `dotted.key=value` override to cfg in place. A new data.task brings its task.* keys, at
-    their defaults."""
+    their defaults but for those the task before it had set (a preset's): a key the new task declares too,
+    with a value of its type, goes on with that value (a preset's task.search_top_k=1 stays when a run
+    swaps in a task file that wraps the preset's task)."""
     entry = all_keys(cfg).get(key)
     if entry is None:
         raise ConfigError(_unknown(key, cfg))
@@ -64,7 +66,12 @@ def set_key(cfg, key, text):
     for g in groups:
         node = getattr(node, g)
     if key == "data.task" and value != cfg.data.task:
-        cfg.task = task_knobs(value)()
+        before, defaults, cfg.task = cfg.task, type(cfg.task)(), task_knobs(value)()
+        for f in dataclasses.fields(cfg.task):
+            set_before = getattr(before, f.name, None)
+            if (set_before != getattr(defaults, f.name, None)
+                    and isinstance(set_before, type(getattr(cfg.task, f.name)))):
+                setattr(cfg.task, f.name, set_before)
     setattr(node, leaf, value)
 
 

@@ -192,6 +192,11 @@ def test_a_task_declares_its_own_keys_in_its_file(tmp_path):
     importer.write_text("from nanoagent.tasks.hotpotqa import Knobs, score\n")
     assert make_config("tiny", [f"data.task={wrapper}", "task.num_train=9"]).task.num_train == 9
     assert make_config("tiny", [f"data.task={importer}", "task.search_top_k=2"]).task.search_top_k == 2
+    # a preset's task.* values go on with a task file that declares them too (demo-smollm2: top_k 1, not
+    # hotpotqa's default 3), and not into one that does not; a default of the task before is not carried
+    assert make_config("demo-smollm2", [f"data.task={importer}"]).task.search_top_k == 1
+    assert make_config("demo-smollm2", [f"data.task={wrapper}"]).task.num_train == 2048
+    assert make_config("hotpotqa", ["data.task=synthetic"]).task.index_dir == ""
     path.write_text("@dataclass\nclass Knobs:\n    depth: int = opt(default_depth(), 'how deep')\n")
     with pytest.raises(ConfigError, match="its Knobs may use only opt, Literal, dataclass and the builtins"):
         make_config("tiny", [f"data.task={path}"])

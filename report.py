@@ -9,13 +9,16 @@ by turn and token by token. One static page, to open in a browser, offline.
     python report.py --run=out/speedrun/run --eval=out/speedrun/val.jsonl --stages=out/speedrun/stages.tsv \
         --gpus=8 --out=out/speedrun/report.md
     python report.py --trajectories=out/rollouts.jsonl                   # -> out/rollouts.html (viewer only)
+    python report.py --compare out/seed0 out/seed1 out/seed2 --metric=em --out=out/seeds.md   # runs side by side
 
 Inputs are what train.py writes: <run>/config.json, <run>/metrics.jsonl (one JSON object per
 step; step 0 is the evaluation before RL, when eval.every > 0) and <run>/trajectories.jsonl (a few
 groups of each step: log.trajectories_per_step). --eval is the trajectories JSONL of rollout.py on
 the whole validation set (its first --limit go into the viewer too). --stages is a TSV of
 `stage<TAB>seconds` lines, one per pipeline stage. --trajectories writes the viewer alone, of
-rollout.py's output or of a run's trajectories.jsonl.
+rollout.py's output or of a run's trajectories.jsonl. --compare writes a table of several runs'
+held-out metric at every evaluation (per question type in brackets) and their curves in one plot:
+seeds, or recipes, side by side.
 """
 
 import argparse
@@ -31,7 +34,8 @@ QA_LEGEND = ("em = strict exact match; substring_em = a gold answer occurs in th
 
 def read_metrics(path):
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} does not exist: is --run a folder written by train.py?")
+        raise FileNotFoundError(f"{path} does not exist: is {os.path.dirname(path)} a run folder written by "
+                                "train.py?")
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     if not rows:
@@ -125,6 +129,49 @@ def plot(rows, out_dir):
     fig.savefig(os.path.join(out_dir, "turns_length.png"), dpi=120)
     plt.close(fig)
     return ["reward.png", "training.png", "turns_length.png"]
+
+
+def write_comparison(runs, out_path, metric):
+    """out_path (markdown) and a PNG beside it: each run's held-out `metric` (eval/<metric>) at every
+    evaluation, per question type in brackets where the run has types (eval/<type>/<metric>), and the
+    curves in one plot. Returns out_path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key, evals = f"eval/{metric}", {}
+    for run in runs:
+        evals[run] = [r for r in read_metrics(os.path.join(run, "metrics.jsonl")) if key in r]
+        if not evals[run]:
+            raise ValueError(f"{run} logged no held-out {key} (eval.every=0, or no such metric)")
+    steps = sorted({r["step"] for rows in evals.values() for r in rows})
+    lines = [f"# Held-out {metric} (greedy) at each evaluation", "",
+             "| run | " + " | ".join(f"step {s}" for s in steps) + " |", "|---|" + "---|" * len(steps)]
+    typed = set()
+    for run, rows in evals.items():
+        types = sorted({k.split("/")[1] for k in rows[-1] if k.count("/") == 2 and k.endswith(f"/{metric}")})
+        typed.add(" / ".join(types))
+        by_step = {r["step"]: r for r in rows}
+        cells = [f"{by_step[s][key]:.2f}" + (" (" + " / ".join(f"{by_step[s][f'eval/{t}/{metric}']:.2f}"
+                                                             for t in types) + ")" if types else "")
+                 if s in by_step else "" for s in steps]
+        lines.append(f"| {run} | " + " | ".join(cells) + " |")
+    if typed - {""}:
+        lines += ["", f"In brackets: the question types, {' and '.join(sorted(typed - {''}))}."]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for run, rows in evals.items():
+        ax.plot([r["step"] for r in rows], [r[key] for r in rows], "o-", label=run)
+    ax.set(xlabel="step", ylabel=metric, title=f"Held-out {metric} (greedy)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    image = os.path.splitext(out_path)[0] + ".png"
+    fig.savefig(image, dpi=120)
+    plt.close(fig)
+    lines += ["", f"![{os.path.basename(image)}]({os.path.basename(image)})", ""]
+    with open(out_path, "w") as f:
+        f.write("\n".join(lines))
+    return out_path
 
 
 def viewer_entries(path, steps=None, limit=200):
@@ -248,9 +295,14 @@ def main(argv=None):
     source.add_argument("--trajectories", default=None,
                         help="write only the trajectory viewer of this JSONL (rollout.py's, or a run's "
                              "trajectories.jsonl), next to it as .html unless --out")
+    source.add_argument("--compare", nargs="+", metavar="RUN",
+                        help="run folders of train.py to compare: their held-out --metric at every "
+                             "evaluation, as a table and one plot (--out, default compare.md)")
     parser.add_argument("--out", default=None,
                         help="report path (default: <run>/report.md); the PNGs and trajectories.html go next "
                              "to it. With --trajectories: the page's path")
+    parser.add_argument("--metric", default="reward",
+                        help="--compare: the held-out metric, eval/<metric> (e.g. em; default: reward)")
     parser.add_argument("--eval", default=None, help="trajectories JSONL of rollout.py on the validation set")
     parser.add_argument("--stages", default=None, help="TSV of stage<TAB>seconds (make speedrun writes it)")
     parser.add_argument("--gpus", type=int, default=0, help="GPUs used, for GPU-hours")
@@ -260,7 +312,9 @@ def main(argv=None):
                         help="rollout.py's trajectories the viewer shows: the first N (default: 200)")
     args = parser.parse_args(argv)
     try:
-        if args.trajectories:
+        if args.compare:
+            path = write_comparison(args.compare, args.out or "compare.md", args.metric)
+        elif args.trajectories:
             entries, note = viewer_entries(args.trajectories, args.steps, args.limit)
             path = write_viewer(entries, args.out or os.path.splitext(args.trajectories)[0] + ".html",
                                 f"Trajectories of {args.trajectories}", note)

@@ -54,3 +54,24 @@ def test_report_plots_the_update_beside_the_reward_and_says_when_nothing_was_hel
         assert "| em | 0.000 | 0.500 | +0.500 |" in md and "no held-out evaluation" not in md.lower()
     else:
         assert "no held-out evaluation" in md.lower() and "before RL" not in md
+
+
+def test_compare_puts_runs_side_by_side_with_their_question_types(tmp_path):
+    """report.py --compare: each run's held-out metric at every evaluation (a run that skipped one leaves
+    its cell empty), per question type in brackets, and one plot; a run without evaluations is refused in
+    one line."""
+    cfg = make_config("tiny", ["eval.every=2"])
+    for name, ems in [("seed0", [0.0, 0.5, 0.75]), ("seed1", [0.25, 0.5])]:
+        rows = [{"step": 2 * i, "eval/reward": em, "eval/em": em, "eval/1-hop/em": em, "eval/2-hop/em": em / 2}
+                for i, em in enumerate(ems)]
+        write_run(tmp_path / name, cfg, rows)
+    out = tmp_path / "seeds.md"
+    assert report.main(["--compare", str(tmp_path / "seed0"), str(tmp_path / "seed1"), "--metric=em",
+                        f"--out={out}"]) == 0
+    md = out.read_text()
+    assert "| run | step 0 | step 2 | step 4 |" in md
+    assert f"| {tmp_path / 'seed0'} | 0.00 (0.00 / 0.00) | 0.50 (0.50 / 0.25) | 0.75 (0.75 / 0.38) |" in md
+    assert f"| {tmp_path / 'seed1'} | 0.25 (0.25 / 0.12) | 0.50 (0.50 / 0.25) |  |" in md
+    assert "1-hop / 2-hop" in md and (tmp_path / "seeds.png").read_bytes()[:8] == PNG
+    write_run(tmp_path / "no-eval", cfg, [step(1)])
+    assert report.main(["--compare", str(tmp_path / "no-eval"), f"--out={out}"]) == 2

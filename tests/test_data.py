@@ -18,7 +18,7 @@ from nanoagent.config import ConfigError, make_config
 from nanoagent.data import load_prompts, row_problem, step_prompts, write_prompts
 from nanoagent.tasks import hotpotqa, synthetic
 from nanoagent.tasks.hotpotqa import SYSTEM_PROMPT, hotpotqa_row, load_hotpotqa
-from nanoagent.tasks.synthetic import (GUESS, SKIP_SECOND_HOP, demonstration, make_split, make_world, passages, questions,
+from nanoagent.tasks.synthetic import (EXTRA_HOP, GUESS, SKIP_SECOND_HOP, demonstration, make_split, make_world, passages, questions,
                                        scrambled_dialogues, scrambled_world)
 from nanoagent.tools import parse_tool_calls
 
@@ -188,26 +188,35 @@ def test_scrambled_dialogues_search_right_and_read_their_answer_from_the_result(
 
 
 def test_synthetic_demonstration_is_well_formed():
-    train, _, _ = make_split(seed=0, val_size=10, people=40, companies=10, cities=12, countries=4)
-    rng = random.Random(0)
-    kinds = Counter()
-    for row in train:
-        turns = demonstration(row, rng)
-        calls = [c for t in turns[:-1] for c in parse_tool_calls(t)]
-        assert all(c.name == "search" and not c.error for c in calls) and turns[-1].startswith("<answer> ")
-        assert [c.arguments["query"] for c in calls] == [" " + title for title in row["evidence"][:len(calls)]]
-        if not calls:
-            kinds["guess"] += 1
-            assert turns == [f"<answer> {row['evidence'][0]}</answer>"]  # the name in the question
-        elif len(calls) < len(row["evidence"]):
-            kinds["one hop short"] += 1
-            assert turns[-1] == f"<answer> {row['evidence'][1]}</answer>"  # the bridge entity
-        else:
-            kinds["right"] += 1
-            assert turns[-1] == f"<answer> {row['answers'][0]}</answer>"
-    two_hop = sum(len(r["evidence"]) > 1 for r in train)
-    assert abs(kinds["guess"] / len(train) - GUESS) < 0.05, kinds  # imperfect on purpose: RL has room
-    assert 0 < kinds["one hop short"] < two_hop * (1 - GUESS) * SKIP_SECOND_HOP * 1.5 and kinds["right"] > 0, kinds
+    train, _, corpus = make_split(seed=0, val_size=10, people=40, companies=10, cities=12, countries=4)
+    text = {p["title"]: p["text"] for p in corpus}
+    for skip in (SKIP_SECOND_HOP, 0.25):
+        rng = random.Random(0)
+        kinds = Counter()
+        for row in train:
+            # the linked entity is the first name the subject's passage gives, and has a passage of its own
+            assert row["linked"] in text and text[row["evidence"][0]].find(row["linked"]) == min(
+                i for i in (text[row["evidence"][0]].find(t) for t in text if t != row["evidence"][0]) if i >= 0)
+            turns = demonstration(row, rng, skip_second_hop=skip)
+            queries = [c.arguments["query"] for t in turns[:-1] for c in parse_tool_calls(t)
+                       if c.name == "search" and not c.error]
+            assert len(queries) == len(turns) - 1 and turns[-1].startswith("<answer> ")
+            if not queries:
+                kinds["guess"] += 1
+                assert turns == [f"<answer> {row['evidence'][0]}</answer>"]  # the name in the question
+            elif len(queries) < len(row["evidence"]):
+                kinds["one hop short"] += 1
+                assert queries == [" " + row["evidence"][0]] and turns[-1] == f"<answer> {row['evidence'][1]}</answer>"
+            else:
+                extra = len(queries) > len(row["evidence"])
+                kinds["extra hop" if extra else "right"] += 1
+                assert queries == [" " + t for t in row["evidence"] + [row["linked"]] * extra]
+                assert turns[-1] == f"<answer> {row['answers'][0]}</answer>"
+        one_hop, two_hop = (sum(len(r["evidence"]) == n for r in train) for n in (1, 2))
+        assert abs(kinds["guess"] / len(train) - GUESS) < 0.05, kinds  # imperfect on purpose: RL has room
+        assert abs(kinds["extra hop"] / (one_hop * (1 - GUESS)) - EXTRA_HOP) < 0.1 and kinds["right"] > 0, kinds
+        assert (kinds["one hop short"] > 0) == (skip > 0), kinds
+        assert kinds["one hop short"] <= two_hop * (1 - GUESS) * skip * 1.5, kinds
 
 
 def test_prompts_fit_the_tiny_model(tiny_model_dir, tmp_path):

@@ -143,11 +143,16 @@ def scrambled_world(world, seed=0):
 def questions(world):
     """
     Every question the world supports: dicts with question, answer, type (1-hop / 2-hop), subject
-    (the entity the question names) and evidence (the titles of the passages to read, in order). A
-    2-hop question whose answer the subject's passage happens to state too is left out.
+    (the entity the question names), evidence (the titles of the passages to read, in order) and
+    linked (the first entity the subject's passage names: a person's or a company's city, a city's
+    country, a country's capital). A 2-hop question whose answer the subject's passage happens to
+    state too is left out.
     """
     P, Co, Ci, K = world["person"], world["company"], world["city"], world["country"]
     text = {p["title"]: p["text"] for p in passages(world)}
+    linked = {**{name: r["city"] for name, r in {**P, **Co}.items()},
+              **{name: r["country"] for name, r in Ci.items()},
+              **{name: r["capital"] for name, r in K.items()}}
     qs = []
 
     def add(question, answer, subject, evidence):
@@ -155,7 +160,7 @@ def questions(world):
         if len(evidence) > 1 and str(answer) in text[subject]:
             return
         qs.append({"question": question, "answer": str(answer), "type": f"{len(evidence)}-hop",
-                   "subject": subject, "evidence": evidence})
+                   "subject": subject, "evidence": evidence, "linked": linked[subject]})
 
     for p, r in P.items():
         add(f"Where was {p} born?", r["city"], p, [p])
@@ -194,9 +199,9 @@ def make_split(seed=0, val_size=100, train_size=0, **sizes):
     rng.shuffle(subjects)
     by_subject = {}
     for i, q in enumerate(qs):
-        by_subject.setdefault(q["subject"], []).append(
-            qa_row(f"synthetic-{i:05d}", q["question"], [q["answer"]], q["type"], "synthetic", q["evidence"],
-                   SYSTEM_PROMPT))
+        row = qa_row(f"synthetic-{i:05d}", q["question"], [q["answer"]], q["type"], "synthetic",
+                     q["evidence"], SYSTEM_PROMPT)
+        by_subject.setdefault(q["subject"], []).append({**row, "linked": q["linked"]})
     val, train = [], []
     for s in subjects:
         (val if len(val) < val_size else train).extend(by_subject[s])
@@ -226,11 +231,13 @@ def tools(cfg):
 
 
 SCRAMBLED_COPIES, DIALOGUES_PER_COPY = 20, 400
-# how often the demonstrator answers without searching, and stops a hop short
-GUESS, SKIP_SECOND_HOP = 0.6, 0.25
+# how often the demonstrator answers without searching, stops a 2-hop question a hop short (none: on
+# SmolLM2 a demonstrator that stopped short a quarter of the time taught one search for every question), and
+# searches a 1-hop question's linked entity before answering (docs/results.md, "SmolLM2's recipe")
+GUESS, SKIP_SECOND_HOP, EXTRA_HOP = 0.6, 0.0, 0.25
 
 
-def demonstration(row, rng, guess=GUESS, skip_second_hop=SKIP_SECOND_HOP):
+def demonstration(row, rng, guess=GUESS, skip_second_hop=SKIP_SECOND_HOP, extra_hop=EXTRA_HOP):
     """
     Scripted assistant turns for a warm start by imitation: search the title of each evidence
     passage in turn, then answer. Names are written after a space, as they stand in questions and
@@ -239,6 +246,10 @@ def demonstration(row, rng, guess=GUESS, skip_second_hop=SKIP_SECOND_HOP):
     in the question (wrong, but for the odd capital city asked about itself), and on 2-hop questions
     it stops after the first search `skip_second_hop` of the time and answers the bridge entity (wrong).
     A greedy policy imitating it guesses; searching, and searching twice, is what RL must find pays.
+    On 1-hop questions it also searches the entity the subject's passage names `extra_hop` of the time
+    (row["linked"]), then answers from the first passage: a policy that comes to search twice has been
+    shown where the answer is when the second passage does not hold it (without it, its 1-hop answers
+    after two searches were wrong, and RL taught one search for every question).
     """
     def search(query):
         return ("<tool_call>\n" + json.dumps({"name": "search", "arguments": {"query": " " + query}})
@@ -249,6 +260,9 @@ def demonstration(row, rng, guess=GUESS, skip_second_hop=SKIP_SECOND_HOP):
         return [f"<answer> {evidence[0]}</answer>"]
     if len(evidence) > 1 and rng.random() < skip_second_hop:
         return [search(evidence[0]), f"<answer> {evidence[1]}</answer>"]
+    # no draw at a rate of 0: scrambled_dialogues' questions are the same whatever EXTRA_HOP is
+    if len(evidence) == 1 and extra_hop and rng.random() < extra_hop:
+        evidence.append(row["linked"])
     return [search(title) for title in evidence] + [f"<answer> {row['answers'][0]}</answer>"]
 
 
@@ -271,7 +285,7 @@ def scrambled_dialogues(world, copies=SCRAMBLED_COPIES, per_copy=DIALOGUES_PER_C
             row = qa_row("", q["question"], [q["answer"]], q["type"], "synthetic", q["evidence"],
                          SYSTEM_PROMPT)
             messages = list(row["messages"])
-            for turn in demonstration(row, rng, guess=0.0, skip_second_hop=0.0):
+            for turn in demonstration(row, rng, guess=0.0, skip_second_hop=0.0, extra_hop=0.0):
                 messages.append({"role": "assistant", "content": turn})
                 for call in parse_tool_calls(turn):
                     messages.append({"role": "tool",

@@ -190,14 +190,14 @@ def test_scrambled_dialogues_search_right_and_read_their_answer_from_the_result(
 def test_synthetic_demonstration_is_well_formed():
     train, _, corpus = make_split(seed=0, val_size=10, people=40, companies=10, cities=12, countries=4)
     text = {p["title"]: p["text"] for p in corpus}
-    for skip in (SKIP_SECOND_HOP, 0.25):
+    for skip, extra_hop in ((SKIP_SECOND_HOP, EXTRA_HOP), (0.0, 0.25)):
         rng = random.Random(0)
         kinds = Counter()
         for row in train:
             # the linked entity is the first name the subject's passage gives, and has a passage of its own
             assert row["linked"] in text and text[row["evidence"][0]].find(row["linked"]) == min(
                 i for i in (text[row["evidence"][0]].find(t) for t in text if t != row["evidence"][0]) if i >= 0)
-            turns = demonstration(row, rng, skip_second_hop=skip)
+            turns = demonstration(row, rng, skip_second_hop=skip, extra_hop=extra_hop)
             queries = [c.arguments["query"] for t in turns[:-1] for c in parse_tool_calls(t)
                        if c.name == "search" and not c.error]
             assert len(queries) == len(turns) - 1 and turns[-1].startswith("<answer> ")
@@ -214,7 +214,7 @@ def test_synthetic_demonstration_is_well_formed():
                 assert turns[-1] == f"<answer> {row['answers'][0]}</answer>"
         one_hop, two_hop = (sum(len(r["evidence"]) == n for r in train) for n in (1, 2))
         assert abs(kinds["guess"] / len(train) - GUESS) < 0.05, kinds  # imperfect on purpose: RL has room
-        assert abs(kinds["extra hop"] / (one_hop * (1 - GUESS)) - EXTRA_HOP) < 0.1 and kinds["right"] > 0, kinds
+        assert abs(kinds["extra hop"] / (one_hop * (1 - GUESS)) - extra_hop) < 0.1 and kinds["right"] > 0, kinds
         assert (kinds["one hop short"] > 0) == (skip > 0), kinds
         assert kinds["one hop short"] <= two_hop * (1 - GUESS) * skip * 1.5, kinds
 

@@ -231,10 +231,9 @@ def tools(cfg):
 
 
 SCRAMBLED_COPIES, DIALOGUES_PER_COPY = 20, 400
-# how often the demonstrator answers without searching, stops a 2-hop question a hop short (none: on
-# SmolLM2 a demonstrator that stopped short a quarter of the time taught one search for every question), and
-# searches a 1-hop question's linked entity before answering (docs/results.md, "SmolLM2's recipe")
-GUESS, SKIP_SECOND_HOP, EXTRA_HOP = 0.6, 0.0, 0.25
+# how often the demonstrator answers without searching, stops a 2-hop question a hop short, and searches a
+# 1-hop question's linked entity too (what SmolLM2's demo did with other rates: docs/results.md)
+GUESS, SKIP_SECOND_HOP, EXTRA_HOP = 0.6, 0.25, 0.0
 
 
 def demonstration(row, rng, guess=GUESS, skip_second_hop=SKIP_SECOND_HOP, extra_hop=EXTRA_HOP):
@@ -247,9 +246,8 @@ def demonstration(row, rng, guess=GUESS, skip_second_hop=SKIP_SECOND_HOP, extra_
     it stops after the first search `skip_second_hop` of the time and answers the bridge entity (wrong).
     A greedy policy imitating it guesses; searching, and searching twice, is what RL must find pays.
     On 1-hop questions it also searches the entity the subject's passage names `extra_hop` of the time
-    (row["linked"]), then answers from the first passage: a policy that comes to search twice has been
-    shown where the answer is when the second passage does not hold it (without it, its 1-hop answers
-    after two searches were wrong, and RL taught one search for every question).
+    (row["linked"]), then answers from the first passage: it shows a policy that searches twice where
+    the answer is when the second passage does not hold it.
     """
     def search(query):
         return ("<tool_call>\n" + json.dumps({"name": "search", "arguments": {"query": " " + query}})

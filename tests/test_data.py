@@ -18,8 +18,8 @@ from nanoagent.config import ConfigError, make_config
 from nanoagent.data import load_prompts, row_problem, step_prompts, write_prompts
 from nanoagent.tasks import hotpotqa, synthetic
 from nanoagent.tasks.hotpotqa import SYSTEM_PROMPT, hotpotqa_row, load_hotpotqa
-from nanoagent.tasks.synthetic import (EXTRA_HOP, GUESS, SKIP_SECOND_HOP, demonstration, make_split, make_world, passages, questions,
-                                       scrambled_dialogues, scrambled_world)
+from nanoagent.tasks.synthetic import (EXTRA_HOP, GUESS, SKIP_SECOND_HOP, demonstration, make_split,
+                                       make_world, passages, questions, scrambled_dialogues, scrambled_world)
 from nanoagent.tools import parse_tool_calls
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -194,9 +194,11 @@ def test_synthetic_demonstration_is_well_formed():
         rng = random.Random(0)
         kinds = Counter()
         for row in train:
-            # the linked entity is the first name the subject's passage gives, and has a passage of its own
-            assert row["linked"] in text and text[row["evidence"][0]].find(row["linked"]) == min(
-                i for i in (text[row["evidence"][0]].find(t) for t in text if t != row["evidence"][0]) if i >= 0)
+            # the linked entity is the first name the subject's passage gives (each name has a passage)
+            subject = text[row["evidence"][0]]
+            named = sorted((subject.find(title), title) for title in text
+                           if title != row["evidence"][0] and title in subject)
+            assert named[0][1] == row["linked"]
             turns = demonstration(row, rng, skip_second_hop=skip, extra_hop=extra_hop)
             queries = [c.arguments["query"] for t in turns[:-1] for c in parse_tool_calls(t)
                        if c.name == "search" and not c.error]
@@ -206,7 +208,8 @@ def test_synthetic_demonstration_is_well_formed():
                 assert turns == [f"<answer> {row['evidence'][0]}</answer>"]  # the name in the question
             elif len(queries) < len(row["evidence"]):
                 kinds["one hop short"] += 1
-                assert queries == [" " + row["evidence"][0]] and turns[-1] == f"<answer> {row['evidence'][1]}</answer>"
+                assert queries == [" " + row["evidence"][0]]
+                assert turns[-1] == f"<answer> {row['evidence'][1]}</answer>"  # the bridge entity
             else:
                 extra = len(queries) > len(row["evidence"])
                 kinds["extra hop" if extra else "right"] += 1
@@ -214,7 +217,8 @@ def test_synthetic_demonstration_is_well_formed():
                 assert turns[-1] == f"<answer> {row['answers'][0]}</answer>"
         one_hop, two_hop = (sum(len(r["evidence"]) == n for r in train) for n in (1, 2))
         assert abs(kinds["guess"] / len(train) - GUESS) < 0.05, kinds  # imperfect on purpose: RL has room
-        assert abs(kinds["extra hop"] / (one_hop * (1 - GUESS)) - extra_hop) < 0.1 and kinds["right"] > 0, kinds
+        assert abs(kinds["extra hop"] / (one_hop * (1 - GUESS)) - extra_hop) < 0.1, kinds
+        assert kinds["right"] > 0, kinds
         assert (kinds["one hop short"] > 0) == (skip > 0), kinds
         assert kinds["one hop short"] <= two_hop * (1 - GUESS) * skip * 1.5, kinds
 

@@ -110,6 +110,17 @@ def shared_prompts(rows, masks):
             "prompt_length": torch.tensor(lengths), "prompt": torch.tensor(prompt)}
 
 
+def share_prefix(batch):
+    """The batch with its rows reading one copy of the tokens they all begin with, up to the first action
+    of any: "prompt" and "prompt_length" as if that prefix were one prompt (packed_layout). A warm
+    start's demonstrations ask different questions after the same system prompt and tools, about half
+    their tokens, which the packed passes then compute once a micro-batch."""
+    ids, before_actions = batch["input_ids"], int(batch["prompt_length"].min())
+    same = (ids[:, :before_actions] == ids[:1, :before_actions]).all(0)                  # [before_actions]
+    shared = int(same.long().cumprod(0).sum())
+    return {**batch, "prompt": torch.zeros_like(batch["prompt"]),
+            "prompt_length": torch.full_like(batch["prompt_length"], shared)}
+
 # -----------------------------------------------------------------------------
 # what each token earns, and which rows train
 

@@ -4,11 +4,13 @@ without rewards that vary GRPO and PPO have nothing to learn from. The task's sc
 demonstrations are imitated through the same trajectory assembly, forward passes, mask and loss
 aggregation as RL, so what the warm start trains is exactly what RL will score.
 
-A warm start can take a while (SmolLM2's 12 steps: ~30 minutes on 2 busy cores), so a SIGTERM or a
-Ctrl-C during it stops at the next step boundary with a checkpoint (the policy and this AdamW's state,
-in run_dir/warm_start_progress, as checkpoint.py writes RL's), and resume=auto goes on from that step.
-Its batches are drawn up front from a seeded stream, so the resumed warm start is the one that would
-have run: the same batches, the same optimizer state, the same weights in the end.
+Demonstrations of one task share their system prompt and tools, about half their tokens on the synthetic
+task: the packed passes compute them once a micro-batch (batch.share_prefix). A warm start can still take
+a while (SmolLM2's first stage, 80 steps: ~30 minutes on one busy core), so a SIGTERM or a Ctrl-C during
+it stops at the next step boundary with a checkpoint (the policy and this AdamW's state, in
+run_dir/warm_start_progress, as checkpoint.py writes RL's), and resume=auto goes on from that step. Its
+batches are drawn up front from a seeded stream, so the resumed warm start is the one that would have
+run: the same batches, the same optimizer state, the same weights in the end.
 """
 
 import random
@@ -19,7 +21,7 @@ import torch
 
 from nanoagent import rl
 from nanoagent.agent import scripted_trajectories
-from nanoagent.batch import collate, micro_steps
+from nanoagent.batch import collate, micro_steps, share_prefix
 from nanoagent.checkpoint import export_hf, load_latest, save_checkpoint
 from nanoagent.common import Stopped, all_reduce, print0, signal_received
 from nanoagent.config import to_dict
@@ -70,7 +72,7 @@ def imitate(policy, env, rows, demonstrate, warm_dir, cfg, rank, world, device, 
         if signum := signal_received(stop):
             save_checkpoint(progress, step, models, optimizers, {}, to_dict(cfg), keep_last=1)
             raise Stopped(signum, "the warm start", f"checkpoint of its step {step}/{steps} written")
-        batch = collate([demos[i] for i in draws[step]], pad_token_id(env.tokenizer))
+        batch = share_prefix(collate([demos[i] for i in draws[step]], pad_token_id(env.tokenizer)))
         rows = list(range(len(batch["lengths"])))
         # over all ranks: the loss is one global token mean
         [global_tokens] = all_reduce([batch["action_mask"].sum().item()])

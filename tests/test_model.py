@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 import padded
 from nanoagent import model as model_module
 from nanoagent.agent import run_agent
-from nanoagent.batch import micro_batches, micro_steps
+from nanoagent.batch import micro_batches, micro_steps, share_prefix, unpack
 from nanoagent.engine import HFEngine, SamplingConfig, stop_token_ids
 from nanoagent.env import tool_env
 from nanoagent.model import (Critic, Policy, attention_plan, critic_forward, forward_all, old_policy_forward,
@@ -89,6 +89,36 @@ def test_packed_passes_give_the_padded_rows_logprobs_values_and_gradients(tiny_m
                          list(range(len(rows))), budget, CPU)
     with torch.no_grad():
         torch.testing.assert_close(values, padded.values(plain_critic, rows) * mask, atol=1e-5, rtol=1e-5)
+
+
+def test_rows_that_begin_alike_read_one_copy_of_what_they_share(tiny_model_dir):
+    """A warm start's demonstrations: different questions after one system prompt. share_prefix packs the
+    tokens all rows begin with once a micro-batch (not past the first action of any, nor into a row's
+    own question), and the logprobs and gradients stay the padded computation's, to 1e-5."""
+    model, plain = padded.load_policy(tiny_model_dir), padded.plain_lm(tiny_model_dir)
+    g = torch.Generator().manual_seed(0)
+    tokens = lambda n: torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    system = tokens(60)
+    questions = [tokens(n) for n in (9, 3, 20, 14)]
+    questions[1] = questions[0][:2] + [questions[0][2] % 50 + 3]  # begins like another row's question
+    rows = [system + q + tokens(n) for q, n in zip(questions, (30, 12, 41, 25))]
+    masks = [[0] * (60 + len(q)) + [1] * (len(r) - 60 - len(q)) for q, r in zip(questions, rows)]
+    batch = share_prefix(padded.batch_of(rows, masks))
+    assert batch["prompt"].tolist() == [0] * 4 and batch["prompt_length"].tolist() == [60] * 4
+    ref_logprobs = padded.logprobs(plain, rows)[0]
+    mask = batch["action_mask"]
+    (ref_logprobs * mask).sum().backward()
+    packed = 0
+    for layout, get in micro_steps(batch, list(range(len(rows))), 10_000, CPU):
+        logprobs = policy_forward(model, get("input_ids"), get("position_ids"), get("action_mask") > 0)[0]
+        torch.testing.assert_close(unpack(logprobs.detach()[..., None], layout, torch.zeros(*mask.shape, 1))[..., 0],
+                                   ref_logprobs.detach() * mask, atol=1e-5, rtol=1e-5)
+        (logprobs * get("action_mask")).sum().backward()
+        packed += get("input_ids").shape[1]
+    assert packed == sum(len(r) for r in rows) - 3 * 60
+    grads = dict(plain.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_a_needed_token_must_not_open_its_row(tiny_model_dir):

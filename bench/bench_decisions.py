@@ -53,7 +53,7 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoints[0])
     _, rows, env = task_data(synthetic, cfg, tokenizer)
     rows = rows[:cfg.eval.num_prompts]
-    perfect = [synthetic.demonstration(row, random.Random(0), guess=0.0, skip_second_hop=0.0, extra_hop=0.0)
+    perfect = [synthetic.scripted_turns(row, random.Random(0), guess=0.0, skip_second_hop=0.0, extra_hop=0.0)
                for row in rows]
     trajs = scripted_trajectories(env, rows, perfect)
     call, answer = (tokenizer.encode(text, add_special_tokens=False) for text in ("<tool_call>", "<answer>"))

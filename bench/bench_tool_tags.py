@@ -53,6 +53,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from nanoagent.agent import scripted_trajectories  # noqa: E402
+from nanoagent.config import make_config  # noqa: E402
 from nanoagent.env import tool_env  # noqa: E402
 from nanoagent.smollm2 import ensure_smollm2  # noqa: E402
 from nanoagent.tasks.arithmetic import demonstration, make_prompts  # noqa: E402
@@ -227,8 +228,9 @@ def main():
     path = ensure_smollm2()
     rng = random.Random(f"tool-tags-{SEED}")
     train_rows, held_rows = make_prompts(TRAIN_ROWS, SEED, "train"), make_prompts(held_out_n, SEED, "val")
-    train = (train_rows, [demonstration(row, rng) for row in train_rows])
-    held_out = (held_rows, [demonstration(row, rng) for row in held_rows])
+    cfg = make_config(overrides=["data.task=arithmetic"])
+    train = (train_rows, [demonstration(row, rng, cfg) for row in train_rows])
+    held_out = (held_rows, [demonstration(row, rng, cfg) for row in held_rows])
     draws = [[rng.randrange(TRAIN_ROWS) for _ in range(batch)] for _ in range(steps)]
     print(f"SmolLM2-135M-Instruct, arithmetic demonstrations: warm start {steps} steps x {batch} "
           f"at lr {args.lr} "

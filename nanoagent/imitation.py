@@ -51,7 +51,7 @@ def imitate(policy, env, rows, demonstrate, warm_dir, cfg, rank, world, device, 
     """
     rng = random.Random(f"{cfg.seed}-demos-{rank}")
     mine = rows[rank::world]
-    scripts = [demonstrate(row, rng) for row in mine]
+    scripts = [demonstrate(row, rng, cfg) for row in mine]
     per_rank = (cfg.train.warm_start_batch_size or cfg.ppo.mini_batch_size) // world
     draws = [[rng.randrange(len(mine)) for _ in range(per_rank)]
              for _ in range(cfg.train.warm_start_steps)]                                   # [steps][per_rank]

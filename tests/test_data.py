@@ -18,7 +18,7 @@ from nanoagent.config import ConfigError, make_config
 from nanoagent.data import load_prompts, row_problem, step_prompts, write_prompts
 from nanoagent.tasks import hotpotqa, synthetic
 from nanoagent.tasks.hotpotqa import SYSTEM_PROMPT, hotpotqa_row, load_hotpotqa
-from nanoagent.tasks.synthetic import (EXTRA_HOP, GUESS, SKIP_SECOND_HOP, demonstration, make_split,
+from nanoagent.tasks.synthetic import (demonstration, make_split,
                                        make_world, passages, questions, scrambled_dialogues, scrambled_world)
 from nanoagent.tools import parse_tool_calls
 
@@ -190,7 +190,10 @@ def test_scrambled_dialogues_search_right_and_read_their_answer_from_the_result(
 def test_synthetic_demonstration_is_well_formed():
     train, _, corpus = make_split(seed=0, val_size=10, people=40, companies=10, cities=12, countries=4)
     text = {p["title"]: p["text"] for p in corpus}
-    for skip, extra_hop in ((SKIP_SECOND_HOP, EXTRA_HOP), (0.0, 0.25)):
+    for skip, extra_hop in ((None, None), (0.0, 0.25)):  # the defaults (0.25, 0.0), then other rates
+        rates = [] if skip is None else [f"task.demo_skip_second_hop={skip}", f"task.demo_extra_hop={extra_hop}"]
+        cfg = make_config(overrides=["data.task=synthetic"] + rates)
+        guess, skip, extra_hop = cfg.task.demo_guess, cfg.task.demo_skip_second_hop, cfg.task.demo_extra_hop
         rng = random.Random(0)
         kinds = Counter()
         for row in train:
@@ -199,7 +202,7 @@ def test_synthetic_demonstration_is_well_formed():
             named = sorted((subject.find(title), title) for title in text
                            if title != row["evidence"][0] and title in subject)
             assert named[0][1] == row["linked"]
-            turns = demonstration(row, rng, skip_second_hop=skip, extra_hop=extra_hop)
+            turns = demonstration(row, rng, cfg)
             queries = [c.arguments["query"] for t in turns[:-1] for c in parse_tool_calls(t)
                        if c.name == "search" and not c.error]
             assert len(queries) == len(turns) - 1 and turns[-1].startswith("<answer> ")
@@ -216,11 +219,11 @@ def test_synthetic_demonstration_is_well_formed():
                 assert queries == [" " + t for t in row["evidence"] + [row["linked"]] * extra]
                 assert turns[-1] == f"<answer> {row['answers'][0]}</answer>"
         one_hop, two_hop = (sum(len(r["evidence"]) == n for r in train) for n in (1, 2))
-        assert abs(kinds["guess"] / len(train) - GUESS) < 0.05, kinds  # imperfect on purpose: RL has room
-        assert abs(kinds["extra hop"] / (one_hop * (1 - GUESS)) - extra_hop) < 0.1, kinds
+        assert abs(kinds["guess"] / len(train) - guess) < 0.05, kinds  # imperfect on purpose: RL has room
+        assert abs(kinds["extra hop"] / (one_hop * (1 - guess)) - extra_hop) < 0.1, kinds
         assert kinds["right"] > 0, kinds
         assert (kinds["one hop short"] > 0) == (skip > 0), kinds
-        assert kinds["one hop short"] <= two_hop * (1 - GUESS) * skip * 1.5, kinds
+        assert kinds["one hop short"] <= two_hop * (1 - guess) * skip * 1.5, kinds
 
 
 def test_prompts_fit_the_tiny_model(tiny_model_dir, tmp_path):

@@ -106,7 +106,8 @@ def update_batch(tokenizer, n=6, context="full"):
     each turn a row of its own (RowPerTurn)."""
     env = tool_env([calculator_tool()], tokenizer)
     rows = arithmetic.make_prompts(n, 0, "train")
-    trajs = scripted_trajectories(env, rows, [arithmetic.demonstration(row, random.Random(i)) for i, row in enumerate(rows)])
+    cfg = make_config("tiny")
+    trajs = scripted_trajectories(env, rows, [arithmetic.demonstration(row, random.Random(i), cfg) for i, row in enumerate(rows)])
     if context == "rows":
         trajs = [RowPerTurn(**{f.name: getattr(t, f.name) for f in dataclasses.fields(t)}) for t in trajs]
     for i, t in enumerate(trajs):

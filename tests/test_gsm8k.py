@@ -164,13 +164,14 @@ def test_answers_compare_as_numbers(prediction, gold, same):
 def test_demonstration_calls_the_calculator_on_each_annotation():
     row = gsm8k_row({"question": "q?", "answer": "Half: <<48/2=24>>24 and <<2^3=8>>8, <<$5*2=10>>$10, <<1,000*2=2000>>2,000, "
                                                 "<<5/0=0>>0.\nIn all <<48+24=72>>72.\n#### 72"}, "train", 0, "here")
-    turns = demonstration(row, rng=None)
+    cfg = make_config(overrides=["data.task=gsm8k"])
+    turns = demonstration(row, None, cfg)
     assert turns == [call("48/2"), call("48+24"), "<answer>72</answer>"]  # the annotations the calculator refuses are left out
     calls = [c for t in turns[:-1] for c in parse_tool_calls(t)]
     ToolRunner([calculator_tool()]).run(calls)
     assert [(c.result, c.error) for c in calls] == [("24", False), ("72", False)]  # what the annotations say
     plain = gsm8k_row(TRAIN[2], "train", 2, "here")
-    assert demonstration(plain, rng=None) == ["<answer>0</answer>"]  # no annotations: answered directly
+    assert demonstration(plain, None, cfg) == ["<answer>0</answer>"]  # no annotations: answered directly
 
 
 def test_demonstrations_run_in_the_environment_and_earn_the_reward(gsm8k_dir):
@@ -181,8 +182,8 @@ def test_demonstrations_run_in_the_environment_and_earn_the_reward(gsm8k_dir):
     task = load_task("gsm8k")
     rows = load_gsm8k("train", str(gsm8k_dir)) + load_gsm8k("val", str(gsm8k_dir))
     env = tool_env(task.tools(None), build_tokenizer())
-    trajs = scripted_trajectories(env, rows, [task.demonstration(r, None) for r in rows])
     cfg = make_config(overrides=["data.task=gsm8k"])
+    trajs = scripted_trajectories(env, rows, [task.demonstration(r, None, cfg) for r in rows])
     assert [task.score(t, cfg) for t in trajs] == [1.0, 1.0, -0.5, 1.0, 1.0, 1.0, 1.0]
     assert all(t.finish_reason == "done" and not any(c.error for c in t.tool_calls) for t in trajs)
     assert [c.result for c in trajs[0].tool_calls] == ["24", "72"] and [c.result for c in trajs[1].tool_calls] == ["1200"]

@@ -17,6 +17,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from nanoagent.agent import scripted_trajectories
+from nanoagent.config import make_config
 from nanoagent.retriever import InMemoryRetriever, load_encoder, packaged_minilm_path
 from nanoagent.tasks import arithmetic
 from nanoagent.env import TRUNCATION_MARK, tool_env
@@ -292,7 +293,7 @@ def test_scripted_demonstrations_are_the_rendered_conversation(tok):
     what the chat template renders for each conversation, and what each gives alone."""
     env = tool_env([calculator_tool()], tok)
     rows = arithmetic.make_prompts(6, seed=0)
-    scripts = [arithmetic.demonstration(row, random.Random(i)) for i, row in enumerate(rows)]
+    scripts = [arithmetic.demonstration(row, random.Random(i), make_config("tiny")) for i, row in enumerate(rows)]
     assert {len(s) for s in scripts} == {1, 2}  # some answer at once, some call the calculator first
     together = scripted_trajectories(env, rows, scripts)
     for row, script, t in zip(rows, scripts, together):

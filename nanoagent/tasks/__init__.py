@@ -20,7 +20,7 @@ else about it. A task module defines:
                                   read from the files prepare() wrote (nanoagent/data.py: load_prompts)
     score(traj, cfg)           -> sets traj.reward (a float) and traj.scores (a dict of floats to log);
                                   a flow's or an agent's task may leave it out: the reward it returned
-    demonstration              None, or (row, rng) -> [assistant turn texts]: a scripted solution
+    demonstration              None, or (row, rng, cfg) -> [assistant turn texts]: a scripted solution
                                   to imitate before RL (train.warm_start_steps)
     summarize                  optional: (row, messages) -> the demonstrator's summary of messages, for
                                   demonstrations under rollout.context=summary

@@ -63,7 +63,7 @@ def score(traj, cfg):
     return score_trajectory(traj, cfg.reward)
 
 
-def demonstration(row, rng):
+def demonstration(row, rng, cfg):
     """
     Scripted assistant turns for a warm start by imitation, deliberately imperfect so RL has room:
     the demonstrator uses the calculator on 90% of the first phrasing and 20% of the second, and

@@ -117,7 +117,7 @@ def score(traj, cfg):
     return won
 
 
-def demonstration(row, rng):
+def demonstration(row, rng, cfg):
     """Read the sign, walk east through every room, enter the code; a quarter of the time a wrong one."""
     code = row["code"] if rng.random() < 0.75 else rng.choice([c for c in CODES if c != row["code"]])
     return ["read sign"] + ["east"] * row["rooms"] + [f"enter {code}"]

@@ -176,7 +176,7 @@ def score(traj, cfg):
     return traj.reward
 
 
-def demonstration(row, rng):
+def demonstration(row, rng, cfg):
     """
     The gold solution as tool use, for a warm start by imitation: each `<<expr=value>>` annotation
     of the solution is a calculator call, one turn each, in order, then `<answer>gold</answer>`. An

@@ -48,6 +48,13 @@ class Knobs:
     index_dir: str = opt("", "search index from build_index.py "
                              "(empty: the world's passages, indexed on the spot)")
     search_top_k: int = opt(3, "passages returned by one search call", low=1)
+    # the warm start's demonstrator (demonstration): deliberately imperfect, so that RL has room
+    demo_guess: float = opt(0.6, "share of the warm start's demonstrations that answer without searching",
+                            low=0.0, high=1.0, fixed=True)
+    demo_skip_second_hop: float = opt(0.25, "share of the searching 2-hop demonstrations that answer after "
+                                      "one search", low=0.0, high=1.0, fixed=True)
+    demo_extra_hop: float = opt(0.0, "share of the searching 1-hop demonstrations that also search the "
+                                "entity the subject's passage names", low=0.0, high=1.0, fixed=True)
 
 
 ONSETS = ["b", "br", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "tr", "v", "z"]
@@ -231,12 +238,16 @@ def tools(cfg):
 
 
 SCRAMBLED_COPIES, DIALOGUES_PER_COPY = 20, 400
-# how often the demonstrator answers without searching, stops a 2-hop question a hop short, and searches a
-# 1-hop question's linked entity too (what SmolLM2's demo did with other rates: docs/results.md)
-GUESS, SKIP_SECOND_HOP, EXTRA_HOP = 0.6, 0.25, 0.0
 
 
-def demonstration(row, rng, guess=GUESS, skip_second_hop=SKIP_SECOND_HOP, extra_hop=EXTRA_HOP):
+def demonstration(row, rng, cfg):
+    """The warm start's demonstration of a row, at the rates of task.demo_guess, task.demo_skip_second_hop
+    and task.demo_extra_hop (scripted_turns; what SmolLM2's demo did with other rates: docs/results.md)."""
+    knobs = cfg.task
+    return scripted_turns(row, rng, knobs.demo_guess, knobs.demo_skip_second_hop, knobs.demo_extra_hop)
+
+
+def scripted_turns(row, rng, guess, skip_second_hop, extra_hop):
     """
     Scripted assistant turns for a warm start by imitation: search the title of each evidence
     passage in turn, then answer. Names are written after a space, as they stand in questions and
@@ -258,7 +269,7 @@ def demonstration(row, rng, guess=GUESS, skip_second_hop=SKIP_SECOND_HOP, extra_
         return [f"<answer> {evidence[0]}</answer>"]
     if len(evidence) > 1 and rng.random() < skip_second_hop:
         return [search(evidence[0]), f"<answer> {evidence[1]}</answer>"]
-    # no draw at a rate of 0: scrambled_dialogues' questions are the same whatever EXTRA_HOP is
+    # no draw at a rate of 0: scrambled_dialogues' questions are the same whatever task.demo_extra_hop is
     if len(evidence) == 1 and extra_hop and rng.random() < extra_hop:
         evidence.append(row["linked"])
     return [search(title) for title in evidence] + [f"<answer> {row['answers'][0]}</answer>"]
@@ -283,7 +294,7 @@ def scrambled_dialogues(world, copies=SCRAMBLED_COPIES, per_copy=DIALOGUES_PER_C
             row = qa_row("", q["question"], [q["answer"]], q["type"], "synthetic", q["evidence"],
                          SYSTEM_PROMPT)
             messages = list(row["messages"])
-            for turn in demonstration(row, rng, guess=0.0, skip_second_hop=0.0, extra_hop=0.0):
+            for turn in scripted_turns(row, rng, guess=0.0, skip_second_hop=0.0, extra_hop=0.0):
                 messages.append({"role": "assistant", "content": turn})
                 for call in parse_tool_calls(turn):
                     messages.append({"role": "tool",

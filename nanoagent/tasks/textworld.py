@@ -191,7 +191,7 @@ def score(traj, cfg):
     return traj.reward
 
 
-def demonstration(row, rng):
+def demonstration(row, rng, cfg):
     """
     The walkthrough, played by a cautious demonstrator so that RL has room: it looks around ("look")
     before every step, a habit the warm start takes on and a tight turn budget has no room for (the

@@ -68,11 +68,15 @@ demo-textworld:
 	$(PY) report.py --run=$(TWDEMO)/run
 
 # The real SmolLM2-135M-Instruct (model=smollm2-135m, converted on first use into the nanoagent cache)
-# on make demo's world: prompts and index made on the spot -> warm start -> GRPO -> greedy evaluation
-# -> report.md (RESUME=auto: go on)
+# on make demo's world: prompts and index made on the spot -> imitation of a demonstrator that searches
+# as the question needs -> warm start on one that mostly guesses -> GRPO -> greedy evaluation -> report.md
+# (RESUME=auto: go on; a finished first stage is kept)
 demo-smollm2:
-	[ "$(RESUME)" = auto ] || rm -rf $(SMDEMO)/run
-	$(PY) train.py --config=demo-smollm2 seed=$(SEED) run_dir=$(SMDEMO)/run resume=$(RESUME)
+	[ "$(RESUME)" = auto ] || rm -rf $(SMDEMO)/imitation $(SMDEMO)/run
+	[ -d $(SMDEMO)/imitation/warm_start ] || $(PY) train.py --config=demo-smollm2-imitation seed=$(SEED) \
+		run_dir=$(SMDEMO)/imitation resume=$(RESUME)
+	$(PY) train.py --config=demo-smollm2 seed=$(SEED) model=$(SMDEMO)/imitation/warm_start \
+		run_dir=$(SMDEMO)/run resume=$(RESUME)
 	$(PY) report.py --run=$(SMDEMO)/run
 
 # One GPU node, all its GPUs: HotpotQA -> index -> RL -> evaluation -> out/speedrun/report.md

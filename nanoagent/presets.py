@@ -46,10 +46,23 @@ PRESETS = {
         "train.activation_checkpointing=false", "train.save_every=0", "train.warm_start_steps=60",
         "train.warm_start_lr=1e-3", "eval.every=5", "eval.num_prompts=32",
     ],
-    # make demo-smollm2 (CPU, ~33 minutes): the real SmolLM2-135M-Instruct on make demo's synthetic world, its
-    # prompts and index made on the spot, its tools in nanoagent's Hermes fallback; a warm start imitating the
-    # same demonstrator (it mostly guesses: RL must find that searching, and searching twice, pays), then GRPO
-    # at a small learning rate
+    # make demo-smollm2's first stage: the real SmolLM2-135M-Instruct imitating a demonstrator that always
+    # searches, as often as the question needs (80 x 8 demonstrations: SmolLM2 learns late, after the format,
+    # which questions need a second search), written to out/demo-smollm2/imitation/warm_start; no RL
+    "demo-smollm2-imitation": [
+        "model=smollm2-135m", "algo=grpo", "steps=0", "run_dir=out/demo-smollm2/imitation", "resume=never",
+        "data.task=synthetic", "data.train_path=", "data.val_path=", "task.index_dir=",
+        "data.max_prompt_tokens=512", "rollout.max_turns=4", "rollout.max_context_tokens=1024",
+        "rollout.max_obs_tokens=128", "task.search_top_k=1", "rollout.dtype=float32", "rollout.compile=false",
+        "train.micro_batch_tokens=2048", "train.dtype=float32", "train.activation_checkpointing=false",
+        "train.save_every=0", "train.warm_start_steps=80", "train.warm_start_lr=1e-4",
+        "train.warm_start_batch_size=8", "task.demo_guess=0.0", "task.demo_skip_second_hop=0.0",
+        "eval.every=0",
+    ],
+    # make demo-smollm2 (CPU, ~38 minutes with the first stage): the real SmolLM2-135M-Instruct on make demo's
+    # synthetic world, its prompts and index made on the spot, its tools in nanoagent's Hermes fallback
+    # (make demo-smollm2 starts it from the first stage's model); a warm start imitating a demonstrator that
+    # mostly guesses (RL must find again that searching pays), then GRPO at a small learning rate
     "demo-smollm2": [
         "model=smollm2-135m", "algo=grpo", "steps=15", "run_dir=out/demo-smollm2/run", "resume=never",
         "data.task=synthetic", "data.train_path=", "data.val_path=", "task.index_dir=",
@@ -59,7 +72,8 @@ PRESETS = {
         "rollout.tool_timeout_s=10", "ppo.mini_batch_size=8", "train.lr=2e-5",
         "train.micro_batch_tokens=1024", "train.dtype=float32", "train.activation_checkpointing=false",
         "train.save_every=0", "train.warm_start_steps=12", "train.warm_start_lr=1e-4",
-        "train.warm_start_batch_size=8", "reward.format_weight=0.0", "eval.every=5", "eval.num_prompts=64",
+        "train.warm_start_batch_size=8", "task.demo_guess=0.8", "task.demo_skip_second_hop=0.0",
+        "reward.format_weight=0.0", "eval.every=5", "eval.num_prompts=64",
     ],
     # CPU, minutes: the corridor, where what a turn sees decides the outcome (nanoagent/tasks/corridor.py):
     # the full history passes the context budget before the door, last_k's window leaves the sign out, a

@@ -437,23 +437,30 @@ def test_a_run_refused_under_torchrun_is_said_by_rank_0_alone_and_last(tmp_path)
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
-def test_make_demo_smollm2_goes_on_with_resume_auto():
-    """make demo-smollm2 RESUME=auto keeps the run folder and resumes it;
-    plain make demo-smollm2 starts afresh."""
+def test_make_demo_smollm2_goes_on_with_resume_auto(tmp_path):
+    """make demo-smollm2 RESUME=auto keeps both stages' folders, runs the imitation only while its
+    warm_start is not written and resumes the rest; plain make demo-smollm2 starts afresh."""
     for resume, removes in [("auto", False), (None, True)]:
         # --no-print-directory: under make test (an outer make) make -n would begin with "Entering directory"
         plan = subprocess.run(["make", "-n", "--no-print-directory", "demo-smollm2",
                                *([f"RESUME={resume}"] if resume else [])],
                               cwd=ROOT, capture_output=True, text=True, check=True).stdout
-        assert (
-            f"train.py --config=demo-smollm2 seed=0 run_dir=out/demo-smollm2/run resume={resume or 'never'}\n"
-            in plan
-        )
+        plan = plan.replace("\\\n\t", "")  # continued lines, joined as the shell joins them
+        mode = resume or "never"
+        assert (f"train.py --config=demo-smollm2-imitation seed=0 run_dir=out/demo-smollm2/imitation "
+                f"resume={mode}\n") in plan
+        assert (f"train.py --config=demo-smollm2 seed=0 model=out/demo-smollm2/imitation/warm_start "
+                f"run_dir=out/demo-smollm2/run resume={mode}\n") in plan
         # what runs before train.py, with the removal said instead of done
-        guard = plan.splitlines()[0]
+        guard, imitation = plan.splitlines()[:2]
         said = subprocess.run(["bash", "-c", guard.replace("rm -rf", "echo rm -rf")],
                               capture_output=True, text=True).stdout
-        assert (said == "rm -rf out/demo-smollm2/run\n") == removes, plan
+        assert (said == "rm -rf out/demo-smollm2/imitation out/demo-smollm2/run\n") == removes, plan
+    # the first stage runs (said, not run) until its warm start is written
+    run_it = imitation.replace(".venv/bin/python", "echo")
+    assert "train.py" in subprocess.run(["bash", "-c", run_it], cwd=tmp_path, capture_output=True, text=True).stdout
+    (tmp_path / "out/demo-smollm2/imitation/warm_start").mkdir(parents=True)
+    assert subprocess.run(["bash", "-c", run_it], cwd=tmp_path, capture_output=True, text=True).stdout == ""
 
 
 @pytest.mark.parametrize("package", ["wandb", "tensorboard"])

@@ -121,6 +121,7 @@ def share_prefix(batch):
     return {**batch, "prompt": torch.zeros_like(batch["prompt"]),
             "prompt_length": torch.full_like(batch["prompt_length"], shared)}
 
+
 # -----------------------------------------------------------------------------
 # what each token earns, and which rows train
 

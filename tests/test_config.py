@@ -95,8 +95,9 @@ def test_every_number_has_a_range_and_every_float_is_finite():
 
 
 def test_unknown_preset_lists_the_valid_ones():
-    with pytest.raises(ConfigError, match="valid: tiny, demo, demo-textworld, demo-smollm2-imitation, demo-smollm2, corridor, hotpotqa, "
-                                         "hotpotqa-7b-lora"):
+    valid = ("valid: tiny, demo, demo-textworld, demo-smollm2-imitation, demo-smollm2, corridor, hotpotqa, "
+             "hotpotqa-7b-lora")
+    with pytest.raises(ConfigError, match=valid):
         make_config("huge")
 
 

@@ -190,8 +190,8 @@ def test_scrambled_dialogues_search_right_and_read_their_answer_from_the_result(
 def test_synthetic_demonstration_is_well_formed():
     train, _, corpus = make_split(seed=0, val_size=10, people=40, companies=10, cities=12, countries=4)
     text = {p["title"]: p["text"] for p in corpus}
-    for skip, extra_hop in ((None, None), (0.0, 0.25)):  # the defaults (0.25, 0.0), then other rates
-        rates = [] if skip is None else [f"task.demo_skip_second_hop={skip}", f"task.demo_extra_hop={extra_hop}"]
+    # the defaults (skip 0.25, extra hop 0.0), then other rates
+    for rates in ([], ["task.demo_skip_second_hop=0.0", "task.demo_extra_hop=0.25"]):
         cfg = make_config(overrides=["data.task=synthetic"] + rates)
         guess, skip, extra_hop = cfg.task.demo_guess, cfg.task.demo_skip_second_hop, cfg.task.demo_extra_hop
         rng = random.Random(0)

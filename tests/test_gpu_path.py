@@ -107,7 +107,8 @@ def update_batch(tokenizer, n=6, context="full"):
     env = tool_env([calculator_tool()], tokenizer)
     rows = arithmetic.make_prompts(n, 0, "train")
     cfg = make_config("tiny")
-    trajs = scripted_trajectories(env, rows, [arithmetic.demonstration(row, random.Random(i), cfg) for i, row in enumerate(rows)])
+    scripts = [arithmetic.demonstration(row, random.Random(i), cfg) for i, row in enumerate(rows)]
+    trajs = scripted_trajectories(env, rows, scripts)
     if context == "rows":
         trajs = [RowPerTurn(**{f.name: getattr(t, f.name) for f in dataclasses.fields(t)}) for t in trajs]
     for i, t in enumerate(trajs):

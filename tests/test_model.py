@@ -111,8 +111,8 @@ def test_rows_that_begin_alike_read_one_copy_of_what_they_share(tiny_model_dir):
     packed = 0
     for layout, get in micro_steps(batch, list(range(len(rows))), 10_000, CPU):
         logprobs = policy_forward(model, get("input_ids"), get("position_ids"), get("action_mask") > 0)[0]
-        torch.testing.assert_close(unpack(logprobs.detach()[..., None], layout, torch.zeros(*mask.shape, 1))[..., 0],
-                                   ref_logprobs.detach() * mask, atol=1e-5, rtol=1e-5)
+        unpacked = unpack(logprobs.detach()[..., None], layout, torch.zeros(*mask.shape, 1))[..., 0]
+        torch.testing.assert_close(unpacked, ref_logprobs.detach() * mask, atol=1e-5, rtol=1e-5)
         (logprobs * get("action_mask")).sum().backward()
         packed += get("input_ids").shape[1]
     assert packed == sum(len(r) for r in rows) - 3 * 60

@@ -293,7 +293,8 @@ def test_scripted_demonstrations_are_the_rendered_conversation(tok):
     what the chat template renders for each conversation, and what each gives alone."""
     env = tool_env([calculator_tool()], tok)
     rows = arithmetic.make_prompts(6, seed=0)
-    scripts = [arithmetic.demonstration(row, random.Random(i), make_config("tiny")) for i, row in enumerate(rows)]
+    cfg = make_config("tiny")
+    scripts = [arithmetic.demonstration(row, random.Random(i), cfg) for i, row in enumerate(rows)]
     assert {len(s) for s in scripts} == {1, 2}  # some answer at once, some call the calculator first
     together = scripted_trajectories(env, rows, scripts)
     for row, script, t in zip(rows, scripts, together):

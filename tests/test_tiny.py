@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from nanoagent.agent import scripted_trajectories
 from nanoagent.batch import pad_rows
 from nanoagent.data import write_prompts
+from nanoagent.engine import cpu_kv_cache_bytes
 from nanoagent.env import tool_env
 from nanoagent.tasks.synthetic import make_split, make_world, passages, scrambled_dialogues, scrambled_world
 from nanoagent.tiny import (IM_END, IM_START, PRETOKENIZE, QWEN_PLAIN_ADDED_TOKENS, QWEN_SPECIAL_TOKENS, QWEN_VOCAB_SIZE,
@@ -198,7 +199,8 @@ def test_vllm_generates_and_logprobs_match_transformers(tiny_model_dir):
     from vllm.inputs import TokensPrompt
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    llm = LLM(model=tiny_model_dir, dtype="float32", enforce_eager=True, seed=0, max_model_len=2048)
+    llm = LLM(model=tiny_model_dir, dtype="float32", enforce_eager=True, seed=0, max_model_len=2048,
+              kv_cache_memory_bytes=cpu_kv_cache_bytes(tiny_model_dir, "float32", 2048))
     prompts = [tok.encode(render(tok, CONVERSATION[:k], add_generation_prompt=True), add_special_tokens=False) for k in (2, 4)]
     params = SamplingParams(max_tokens=24, temperature=1.0, logprobs=0, seed=0)
     try:

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import procs
+from nanoagent.engine import cpu_kv_cache_bytes
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,7 +84,8 @@ def test_two_steps_push_export_in_bf16(algo, lora_rank, tmp_path):
     assert tok.chat_template is not None
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is 12 * 34?"}], tokenize=False, add_generation_prompt=True)
     ids = tok.encode(prompt, add_special_tokens=False)
-    llm = LLM(model=export, dtype="float32", enforce_eager=True, max_model_len=1024)
+    llm = LLM(model=export, dtype="float32", enforce_eager=True, max_model_len=1024,
+              kv_cache_memory_bytes=cpu_kv_cache_bytes(export, "float32", 1024))
     try:
         [gen] = llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=12, temperature=1.0, logprobs=0, seed=0), use_tqdm=False)
     finally:  # the torch.distributed world of one the engine set up in this process goes with it: the worker's next test may start its own

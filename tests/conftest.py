@@ -7,9 +7,8 @@ import os
 import shutil
 
 # Set before anything imports vLLM or the hub client: in-process engine (needed to reach the
-# model for weight reloads) and no network. The CPU engine's KV cache is left to size itself, as a
-# user's does (nanoagent/engine.py: cpu_kv_cache_bytes): the tiny model's is a third of the 1 GiB it
-# was given here, zero-filled at every engine's start.
+# model for weight reloads) and no network. No VLLM_CPU_KVCACHE_SPACE: the CPU engine sizes its KV
+# cache as a user's does (nanoagent/engine.py: cpu_kv_cache_bytes; the tiny preset's is 384 MiB).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
